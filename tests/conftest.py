@@ -1,0 +1,42 @@
+"""Shared fixtures. Environment first: no model hub at run time, Triton in interpreter mode
+(it must be set before anything imports triton)."""
+
+import os
+
+os.environ["HF_HUB_OFFLINE"] = "1"
+os.environ["TRITON_INTERPRET"] = "1"
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+import pytest  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def embedded_folder():
+    """The embedded model's converted folder (converted and cached on first use)."""
+    from foretell.proxy.model_loader import resolve_model_folder
+
+    return resolve_model_folder(None)[1]
+
+
+@pytest.fixture(scope="session")
+def tokenizer(embedded_folder):
+    """The real Gemma 3 tokenizer: tiny test models share it, so their text is real text."""
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(embedded_folder), local_files_only=True)
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tokenizer):
+    """A tiny randomly initialised Gemma 3 (no download): exactness holds for any model."""
+    from tests.helpers import build_tiny_gemma
+
+    return build_tiny_gemma(tokenizer)
+
+
+@pytest.fixture(scope="session")
+def embedded():
+    """The real embedded Gemma 3 270M with its tokenizer."""
+    from foretell.proxy.model_loader import load_model
+
+    return load_model(None)

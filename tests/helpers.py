@@ -1,0 +1,86 @@
+"""Test helpers: the tiny model and the slow exactness oracle."""
+
+from __future__ import annotations
+
+import re
+
+import torch
+
+
+def build_tiny_gemma(tokenizer, seed: int = 0):
+    """A 4-layer Gemma 3 with the real 262k vocabulary and a short sliding window (8), so that
+    the sliding-window path is exercised on short prompts.
+
+    Embedding rows of all tokens but plain ASCII words, punctuation and whitespace are zeroed,
+    so the random model writes (meaningless) ASCII text instead of rare unicode: text whose
+    re-tokenisation exercises the seams the prediction aligner must handle.
+    """
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+
+    config = Gemma3TextConfig(
+        vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+        num_attention_heads=2, num_key_value_heads=1, head_dim=32, sliding_window=8,
+        layer_types=["sliding_attention", "sliding_attention", "sliding_attention", "full_attention"],
+        max_position_embeddings=4096, initializer_range=0.02,
+        bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    torch.manual_seed(seed)
+    model = Gemma3ForCausalLM(config).eval()
+    plain = re.compile(r"^(▁?[A-Za-z]{1,8}|▁?[.,:;()=+\-*/\"'{}\[\]]|▁+|\n+)$")
+    keep = torch.zeros(config.vocab_size, dtype=torch.bool)
+    for token, index in tokenizer.get_vocab().items():
+        if index < config.vocab_size and plain.match(token):
+            keep[index] = True
+    keep[tokenizer.eos_token_id] = True
+    with torch.no_grad():
+        model.get_input_embeddings().weight[~keep] = 0.0
+    model.generation_config.pad_token_id = tokenizer.pad_token_id
+    return model
+
+
+@torch.inference_mode()
+def greedy_reference(model, prompt_ids: list[int], max_new_tokens: int) -> list[int]:
+    """The slow oracle: transformers' own greedy decoding."""
+    device = next(model.parameters()).device
+    out = model.generate(
+        torch.tensor([prompt_ids], device=device), max_new_tokens=max_new_tokens, do_sample=False,
+        attention_mask=torch.ones(1, len(prompt_ids), dtype=torch.long, device=device),
+    )
+    return out[0, len(prompt_ids):].tolist()
+
+
+@torch.inference_mode()
+def top2_gap(model, ids: list[int]) -> float:
+    """Gap between the two largest next-token logits after ``ids`` (one full forward)."""
+    device = next(model.parameters()).device
+    logits = model(input_ids=torch.tensor([ids], device=device)).logits[0, -1].float()
+    top = torch.topk(logits, 2).values
+    return float(top[0] - top[1])
+
+
+def assert_greedy_equal(model, prompt_ids, got: list[int], expected: list[int], tie_epsilon: float):
+    """``got`` must equal ``expected`` token for token, except that the two may part at a near
+    tie: where they first differ, the target's top-2 logit gap must be below ``tie_epsilon``
+    (batched verification changes matmul shapes, so exact ties can flip). Anything else fails."""
+    if got == expected:
+        return
+    first = next((i for i, (a, b) in enumerate(zip(got, expected)) if a != b), None)
+    if first is None:
+        raise AssertionError(
+            f"lengths differ without a differing token: got {len(got)}, expected {len(expected)}"
+        )
+    gap = top2_gap(model, list(prompt_ids) + expected[:first])
+    assert gap < tie_epsilon, (
+        f"output differs from greedy at token {first} ({got[first]} vs {expected[first]}) "
+        f"with a top-2 logit gap of {gap:.3g}: not a near tie"
+    )
+
+
+def stop_string_cut(tokenizer, tokens: list[int], stop: str) -> tuple[list[int], str] | None:
+    """Where plain decoding with a stop string stops: check the text after every token."""
+    for count in range(1, len(tokens) + 1):
+        text = tokenizer.decode(tokens[:count], skip_special_tokens=True)
+        if stop in text:
+            return tokens[:count], text[: text.index(stop)]
+    return None
