@@ -60,7 +60,7 @@ def test_acceptance_estimate_learns_from_shadow_scores():
     for _ in range(20):
         estimate.update([5, 6, 7], [9, 9])  # always wrong at once
     assert estimate.rate < 0.1
-    for _ in range(10):
+    for _ in range(20):
         estimate.update([5, 6, 7], [5, 6, 7, 8])
     assert estimate.rate > 0.9
 
