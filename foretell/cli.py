@@ -1,8 +1,10 @@
 """The ``foretell`` command line.
 
     foretell generate --prompt-file P [--prediction-file F] [--prompt-lookup] [--max-tokens N]
+    foretell serve [--model M] [--host H] [--port P] [--config FILE] [--api-key KEY]
 
-prints the completion to stdout as it is verified, and the statistics to stderr.
+``generate`` prints the completion to stdout as it is verified and the statistics to stderr;
+``serve`` runs the OpenAI-compatible proxy.
 """
 
 from __future__ import annotations
@@ -68,6 +70,54 @@ def build_parser() -> argparse.ArgumentParser:
                           help="skip measuring the pass cost at start-up (uses built-in figures)")
     generate.add_argument("--json-stats", action="store_true",
                           help="print the statistics to stderr as one JSON object")
+
+    env = os.environ.get
+    serve = commands.add_parser(
+        "serve",
+        help="run the OpenAI-compatible proxy (local model with speculation, others upstream)",
+        description=(
+            "Serve an OpenAI-compatible API (POST /v1/completions, POST /v1/chat/completions, "
+            "GET /v1/models, GET /health, GET /metrics). The local model runs on the speculative "
+            "engine; requests for other models go to the upstreams of --config or "
+            "FORETELL_UPSTREAM_BASE_URL / FORETELL_UPSTREAM_API_KEY. Every option also reads "
+            "the environment variable named in its help."
+        ),
+    )
+    serve.add_argument("--model", default=env("FORETELL_MODEL"), metavar="M",
+                       help="'gemma-3-270m' (default), a .gguf file or a Hugging Face model folder "
+                            "(env: FORETELL_MODEL)")
+    serve.add_argument("--served-model-name", default=env("FORETELL_SERVED_MODEL_NAME"), metavar="NAME",
+                       help="the name clients use for the local model (default: gemma-3-270m for "
+                            "the embedded model, else the folder or file name) "
+                            "(env: FORETELL_SERVED_MODEL_NAME)")
+    serve.add_argument("--host", default=env("FORETELL_HOST", "127.0.0.1"),
+                       help="address to listen on (default: 127.0.0.1) (env: FORETELL_HOST)")
+    serve.add_argument("--port", type=int, default=int(env("FORETELL_PORT", "8000")),
+                       help="port (default: 8000) (env: FORETELL_PORT)")
+    serve.add_argument("--config", default=env("FORETELL_CONFIG"), metavar="FILE",
+                       help="TOML file of routes and upstreams, see examples/foretell.toml "
+                            "(env: FORETELL_CONFIG)")
+    serve.add_argument("--api-key", action="append", metavar="KEY",
+                       default=[k for k in env("FORETELL_API_KEY", "").split(",") if k],
+                       help="require 'Authorization: Bearer KEY' on /v1/*; repeatable "
+                            "(env: FORETELL_API_KEY, comma-separated)")
+    serve.add_argument("--max-queue", type=_positive_int, default=int(env("FORETELL_MAX_QUEUE", "16")),
+                       help="requests waiting for the engine before 429 (default: 16) "
+                            "(env: FORETELL_MAX_QUEUE)")
+    serve.add_argument("--max-body-bytes", type=_positive_int,
+                       default=int(env("FORETELL_MAX_BODY_BYTES", str(4 * 1024 * 1024))),
+                       help="largest request body, else 413 (default: 4 MiB) (env: FORETELL_MAX_BODY_BYTES)")
+    serve.add_argument("--max-prediction-chars", type=_positive_int,
+                       default=int(env("FORETELL_MAX_PREDICTION_CHARS", str(1024 * 1024))),
+                       help="largest prediction, else 413 (default: 1 Mi characters) "
+                            "(env: FORETELL_MAX_PREDICTION_CHARS)")
+    serve.add_argument("--default-max-tokens", type=_positive_int,
+                       default=int(env("FORETELL_DEFAULT_MAX_TOKENS", "512")),
+                       help="chat max_tokens when the request sets none (default: 512; completions "
+                            "default to 16 as OpenAI's) (env: FORETELL_DEFAULT_MAX_TOKENS)")
+    serve.add_argument("--no-calibrate", action="store_true",
+                       default=env("FORETELL_NO_CALIBRATE", "") not in ("", "0"),
+                       help="skip measuring the pass cost at start-up (env: FORETELL_NO_CALIBRATE=1)")
     return parser
 
 
@@ -136,10 +186,35 @@ def run_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def run_serve(args: argparse.Namespace) -> int:
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    import uvicorn
+
+    from foretell.proxy.server import ServerSettings, create_app
+    from foretell.proxy.upstream import load_routes
+
+    try:
+        routes = load_routes(args.config)
+    except ValueError as error:
+        raise SystemExit(f"foretell: {error}") from None
+    settings = ServerSettings(
+        model=args.model, served_model_name=args.served_model_name, api_keys=tuple(args.api_key),
+        max_queue=args.max_queue, max_body_bytes=args.max_body_bytes,
+        max_prediction_chars=args.max_prediction_chars, default_max_tokens=args.default_max_tokens,
+        calibrate=not args.no_calibrate, routes=routes,
+    )
+    print(f"foretell: serving on http://{args.host}:{args.port}/v1 (loading the model; "
+          "/health answers 503 until it is ready)", file=sys.stderr, flush=True)
+    uvicorn.run(create_app(settings), host=args.host, port=args.port, log_level="warning")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.command == "generate":
         return run_generate(args)
+    if args.command == "serve":
+        return run_serve(args)
     raise AssertionError(args.command)  # argparse rejects unknown commands
 
 

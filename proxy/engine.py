@@ -39,6 +39,11 @@ class GenerationRequest:
     stop: tuple[str, ...] = ()
     # Upper bound on tokens drafted per round; the chooser usually picks fewer.
     max_draft: int = 128
+    # Sampling (temperature > 0) runs without speculation for now: exact speculative sampling
+    # is a later step. 0 means greedy.
+    temperature: float = 0.0
+    top_p: float = 1.0
+    seed: int | None = None
 
 
 @dataclass
@@ -58,6 +63,9 @@ class GenerationStats:
     per_source: dict[str, SourceStats] = field(default_factory=dict)
     accepted_prediction_tokens: int = 0
     rejected_prediction_tokens: int = 0
+    # Draft tokens verified / accepted at each position of a draft (vLLM's per-position view).
+    drafted_by_position: list[int] = field(default_factory=list)
+    accepted_by_position: list[int] = field(default_factory=list)
     prefill_seconds: float = 0.0
     decode_seconds: float = 0.0
 
@@ -72,6 +80,14 @@ class GenerationStats:
     @property
     def acceptance_rate(self) -> float:
         return self.accepted_tokens / self.drafted_tokens if self.drafted_tokens else 0.0
+
+    def count_positions(self, drafted: int, accepted: int, last: int = 128) -> None:
+        for counts, n in ((self.drafted_by_position, drafted), (self.accepted_by_position, accepted)):
+            for position in range(n):
+                index = min(position, last - 1)
+                if index >= len(counts):
+                    counts.extend([0] * (index + 1 - len(counts)))
+                counts[index] += 1
 
     def as_dict(self) -> dict:
         return {
@@ -130,6 +146,22 @@ def verify_draft(model, cache: DynamicCache, pending: int, draft: list[int]) -> 
     if accepted < len(draft):
         cache.crop(accepted - len(draft))  # roll back the rejected positions
     return accepted, output_tokens[0, : accepted + 1].tolist()
+
+
+def sample_next(model, cache: DynamicCache, pending: int, temperature: float, top_p: float,
+                generator: torch.Generator) -> int:
+    """One plain sampling step: temperature, then nucleus (top-p) filtering, then a draw."""
+    device = next(model.parameters()).device
+    logits = model(input_ids=torch.tensor([[pending]], device=device), cache=cache,
+                   use_cache=True).logits[0, -1].float()  # [V]
+    probs = torch.softmax(logits / temperature, dim=-1)
+    if top_p < 1.0:
+        sorted_probs, order = torch.sort(probs, descending=True)
+        # Keep the smallest prefix whose mass reaches top_p (always at least one token).
+        outside = torch.cumsum(sorted_probs, dim=-1) - sorted_probs >= top_p
+        sorted_probs[outside] = 0.0
+        probs = torch.zeros_like(probs).scatter_(0, order, sorted_probs)
+    return int(torch.multinomial(probs, 1, generator=generator))
 
 
 class SpeculativeEngine:
@@ -192,11 +224,16 @@ class SpeculativeEngine:
                 )
             max_tokens = min(max_tokens, room)
 
+        sampling = request.temperature > 0
         sources = []
-        if request.prediction:
+        if request.prediction and not sampling:
             sources.append(PredictionSource(self.tokenizer, request.prediction))
-        if request.prompt_lookup:
+        if request.prompt_lookup and not sampling:
             sources.append(PromptLookupSource(prompt))
+        generator = None
+        if sampling:
+            generator = torch.Generator(device=self.device)
+            generator.manual_seed(request.seed if request.seed is not None else torch.seed())
         estimates = {s.name: AcceptanceEstimate() for s in sources}
         stats = GenerationStats(prompt_tokens=len(prompt))
         stats.per_source = {s.name: SourceStats() for s in sources}
@@ -223,7 +260,11 @@ class SpeculativeEngine:
             runs = {s.name: s.agreement_run() for s in sources}
             source_name, draft = self._choose_draft(proposals, estimates, runs)
 
-            accepted, new_tokens = verify_draft(self.model, cache, pending, draft)
+            if sampling:
+                accepted, new_tokens = 0, [sample_next(self.model, cache, pending, request.temperature,
+                                                       request.top_p, generator)]
+            else:
+                accepted, new_tokens = verify_draft(self.model, cache, pending, draft)
             stats.target_passes += 1
             decision = decide_stop(
                 new_tokens, output, len(text), self.decode,
@@ -239,6 +280,7 @@ class SpeculativeEngine:
                 record.accepted += accepted
                 stats.drafted_tokens += len(draft)
                 stats.accepted_tokens += accepted
+                stats.count_positions(len(draft), accepted)
             for name, proposal in proposals.items():
                 estimates[name].update(proposal, new_tokens)
             output.extend(new_tokens)

@@ -40,3 +40,12 @@ def embedded():
     from foretell.proxy.model_loader import load_model
 
     return load_model(None)
+
+
+@pytest.fixture(scope="session")
+def tiny_model_folder(tmp_path_factory, tiny_model, tokenizer):
+    """The tiny model saved as a Hugging Face folder, for commands that load a model by path."""
+    folder = tmp_path_factory.mktemp("tiny-gemma")
+    tiny_model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return folder

@@ -39,14 +39,6 @@ def test_bad_input_gives_a_clear_error(args, message):
     assert "Traceback" not in result.stderr
 
 
-@pytest.fixture(scope="module")
-def tiny_model_folder(tmp_path_factory, tiny_model, tokenizer):
-    folder = tmp_path_factory.mktemp("tiny-gemma")
-    tiny_model.save_pretrained(folder)
-    tokenizer.save_pretrained(folder)
-    return folder
-
-
 def test_generate_prints_the_engines_completion_and_statistics(tmp_path, tiny_model_folder,
                                                                  tiny_model, tokenizer):
     prompt = "def area(width, height):\n    return"

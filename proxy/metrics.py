@@ -1,0 +1,69 @@
+"""Prometheus metrics, named in the style of vLLM's (``spec_decode_*`` for speculation).
+
+Each app gets its own registry, so several servers (tests) can live in one process.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0, 60.0)
+MAX_TRACKED_POSITION = 128
+
+
+class Metrics:
+    def __init__(self):
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.requests = Counter("foretell_requests", "HTTP requests answered",
+                                ["endpoint", "status"], registry=r)
+        self.request_success = Counter("foretell_request_success", "Generations finished",
+                                       ["model", "finish_reason"], registry=r)
+        self.prompt_tokens = Counter("foretell_prompt_tokens", "Prompt tokens processed",
+                                     ["model"], registry=r)
+        self.generation_tokens = Counter("foretell_generation_tokens", "Tokens generated",
+                                         ["model"], registry=r)
+        self.time_to_first_token = Histogram("foretell_time_to_first_token_seconds",
+                                             "Time from request to first token", ["model"],
+                                             buckets=LATENCY_BUCKETS, registry=r)
+        self.inter_token_latency = Histogram("foretell_inter_token_latency_seconds",
+                                             "Time between delivered tokens (a round's time "
+                                             "spread over its tokens)", ["model"],
+                                             buckets=LATENCY_BUCKETS, registry=r)
+        self.e2e_latency = Histogram("foretell_e2e_request_latency_seconds",
+                                     "Time from request to last token", ["model"],
+                                     buckets=LATENCY_BUCKETS, registry=r)
+        self.queue_length = Gauge("foretell_num_requests_waiting", "Requests waiting for the engine",
+                                  registry=r)
+        self.target_passes = Counter("foretell_spec_decode_num_target_passes",
+                                     "Target forward passes after prefill", ["model"], registry=r)
+        self.drafts = Counter("foretell_spec_decode_num_drafts", "Rounds that verified a draft",
+                              ["model", "source"], registry=r)
+        self.draft_tokens = Counter("foretell_spec_decode_num_draft_tokens", "Draft tokens verified",
+                                    ["model", "source"], registry=r)
+        self.accepted_tokens = Counter("foretell_spec_decode_num_accepted_tokens",
+                                       "Draft tokens accepted", ["model", "source"], registry=r)
+        self.accepted_per_position = Counter(
+            "foretell_spec_decode_num_accepted_tokens_per_pos",
+            f"Accepted draft tokens by position in the draft (positions >= {MAX_TRACKED_POSITION} "
+            "are counted at the last)", ["model", "position"], registry=r)
+        self.drafted_per_position = Counter(
+            "foretell_spec_decode_num_draft_tokens_per_pos", "Draft tokens by position in the draft",
+            ["model", "position"], registry=r)
+
+    def record_generation(self, model: str, stats, finish_reason: str) -> None:
+        self.request_success.labels(model, finish_reason).inc()
+        self.prompt_tokens.labels(model).inc(stats.prompt_tokens)
+        self.generation_tokens.labels(model).inc(stats.completion_tokens)
+        self.target_passes.labels(model).inc(stats.target_passes)
+        for name, source in stats.per_source.items():
+            self.drafts.labels(model, name).inc(source.rounds)
+            self.draft_tokens.labels(model, name).inc(source.drafted)
+            self.accepted_tokens.labels(model, name).inc(source.accepted)
+        for position, count in enumerate(stats.drafted_by_position):
+            self.drafted_per_position.labels(model, str(position)).inc(count)
+        for position, count in enumerate(stats.accepted_by_position):
+            self.accepted_per_position.labels(model, str(position)).inc(count)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

@@ -1,0 +1,456 @@
+"""The OpenAI-compatible HTTP server: FastAPI under uvicorn.
+
+Local models run on the speculative engine (one worker thread, bounded queue); other models are
+forwarded upstream. The port opens at once; ``/health`` answers 503 until the model is loaded.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hmac
+import json
+import threading
+import time
+import uuid
+from dataclasses import dataclass, field
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic import ValidationError
+from starlette.background import BackgroundTask
+
+from foretell.proxy.metrics import Metrics
+from foretell.proxy.openai_schema import (
+    APIError,
+    ChatCompletionRequest,
+    CompletionRequest,
+    describe_validation_error,
+)
+from foretell.proxy.upstream import Forwarder, RouteTable, prepare_body
+from foretell.proxy.worker import QueueFullError
+
+FALLBACK_CHAT_TEMPLATE_NOTE = (
+    "Models without a chat template get a plain transcript: 'System: ...', 'User: ...', "
+    "'Assistant: ...' lines, ending with 'Assistant:'."
+)
+
+
+@dataclass
+class ServerSettings:
+    model: str | None = None
+    served_model_name: str | None = None
+    api_keys: tuple[str, ...] = ()
+    max_queue: int = 16
+    max_body_bytes: int = 4 * 1024 * 1024
+    max_prediction_chars: int = 1024 * 1024
+    default_max_tokens: int = 512
+    calibrate: bool = True
+    routes: RouteTable = field(default_factory=RouteTable)
+
+
+class LocalModel:
+    """The engine, its worker and its names, once loaded."""
+
+    def __init__(self, loaded, engine, worker, served_name: str):
+        self.loaded, self.engine, self.worker, self.name = loaded, engine, worker, served_name
+        self.tokenizer = loaded.tokenizer
+        self.context = getattr(loaded.model.config, "max_position_embeddings", None) or 8192
+
+
+def _error_response(error: APIError) -> JSONResponse:
+    return JSONResponse(error.body(), status_code=error.status, headers=error.headers)
+
+
+def _sse(payload) -> bytes:
+    return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n".encode()
+
+
+def create_app(settings: ServerSettings, load_local=None) -> FastAPI:
+    """Build the app. ``load_local()`` returns a ``LocalModel`` (run on a background thread)."""
+    metrics = Metrics()
+    forwarder = Forwarder()
+    state = {"local": None, "load_error": None}
+
+    def load() -> None:
+        try:
+            state["local"] = (load_local or _default_loader(settings))()
+        except Exception as error:  # reported by /health, the server stays up
+            state["load_error"] = f"{type(error).__name__}: {error}"
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app):
+        # Load on a thread so the port opens at once and /health can answer 503 meanwhile.
+        threading.Thread(target=load, name="foretell-load", daemon=True).start()
+        yield
+        if state["local"] is not None:
+            state["local"].worker.close()
+        await forwarder.close()
+
+    app = FastAPI(title="foretell", docs_url=None, redoc_url=None, openapi_url=None, lifespan=lifespan)
+    app.state.metrics, app.state.local = metrics, state
+
+    # ---- errors and auth ---------------------------------------------------------------
+
+    @app.exception_handler(APIError)
+    async def _api_error(request: Request, error: APIError):
+        return _error_response(error)
+
+    @app.middleware("http")
+    async def _guard(request: Request, call_next):
+        path = request.url.path
+        try:
+            if path.startswith("/v1/") and settings.api_keys:
+                _check_key(request.headers.get("authorization", ""), settings.api_keys)
+            length = request.headers.get("content-length")
+            if length is not None and length.isdigit() and int(length) > settings.max_body_bytes:
+                raise APIError(413, f"request body over {settings.max_body_bytes} bytes",
+                               code="body_too_large")
+            response = await call_next(request)
+        except APIError as error:
+            response = _error_response(error)
+        metrics.requests.labels(path if path in KNOWN_PATHS else "other", str(response.status_code)).inc()
+        return response
+
+    async def read_body(request: Request) -> dict:
+        raw = await request.body()
+        if len(raw) > settings.max_body_bytes:
+            raise APIError(413, f"request body over {settings.max_body_bytes} bytes", code="body_too_large")
+        try:
+            text = raw.decode("utf-8")
+        except UnicodeDecodeError:
+            raise APIError(400, "request body is not valid UTF-8", code="invalid_encoding") from None
+        try:
+            body = json.loads(text)
+        except json.JSONDecodeError as error:
+            raise APIError(400, f"request body is not valid JSON: {error}", code="invalid_json") from None
+        if not isinstance(body, dict):
+            raise APIError(400, "request body must be a JSON object", code="invalid_json")
+        return body
+
+    # ---- plain endpoints -------------------------------------------------------------------
+
+    @app.get("/health")
+    async def health():
+        if state["local"] is not None:
+            return {"status": "ok", "model": state["local"].name}
+        if state["load_error"]:
+            return JSONResponse({"status": "error", "error": state["load_error"]}, status_code=503)
+        return JSONResponse({"status": "loading"}, status_code=503)
+
+    @app.get("/metrics")
+    async def prometheus():
+        local = state["local"]
+        metrics.queue_length.set(local.worker.queued if local else 0)
+        return Response(metrics.render(), media_type="text/plain; version=0.0.4")
+
+    @app.get("/v1/models")
+    async def models():
+        names = []
+        if state["local"] is not None:
+            names.append(state["local"].name)
+        names += [m for m, r in settings.routes.models.items() if m not in names]
+        return {"object": "list", "data": [
+            {"id": name, "object": "model", "created": 0, "owned_by": "foretell"} for name in names]}
+
+    # ---- generation ------------------------------------------------------------------------
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        body = await read_body(request)
+        return await generate(request, body, CompletionRequest, "/completions")
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request):
+        body = await read_body(request)
+        return await generate(request, body, ChatCompletionRequest, "/chat/completions")
+
+    async def generate(request: Request, body: dict, schema, path: str):
+        try:
+            parsed = schema.model_validate(body)
+        except ValidationError as error:
+            message, param = describe_validation_error(error)
+            raise APIError(400, message, param=param) from None
+        local = state["local"]
+        local_names = {local.name} if local else set()
+        if settings.served_model_name:
+            local_names.add(settings.served_model_name)
+        route = settings.routes.route_for(parsed.model, local_names)
+        if route is None:
+            raise APIError(404, f"model {parsed.model!r} does not exist", param="model",
+                           code="model_not_found")
+        if not route.local:
+            return await forward(settings.routes.upstreams[route.upstream], path, body, parsed.stream)
+        if local is None:
+            raise APIError(503, "the model is still loading", type="server_error", code="model_loading",
+                           headers={"Retry-After": "5"})
+        try:
+            return await run_local(request, local, parsed, path)
+        except QueueFullError:
+            if route.fallback:
+                return await forward(settings.routes.upstreams[route.fallback], path, body, parsed.stream)
+            raise APIError(429, "the server is busy: queue full", type="rate_limit_error",
+                           code="queue_full", headers={"Retry-After": "1"}) from None
+
+    async def forward(upstream, path: str, body: dict, stream: bool):
+        body, notes = prepare_body(body, upstream)
+        response = await forwarder.open(upstream, path, body)
+        headers = {"x-foretell-upstream": upstream.name}
+        if notes:
+            headers["x-foretell-note"] = "; ".join(notes)
+        if response.status_code >= 500:
+            detail = (await response.aread())[:500].decode("utf-8", "replace")
+            await response.aclose()
+            raise APIError(502, f"upstream {upstream.name!r} answered {response.status_code}: {detail}",
+                           type="upstream_error", code="upstream_error")
+        content_type = response.headers.get("content-type", "application/json")
+        if stream and response.status_code < 400 and "text/event-stream" in content_type:
+            return StreamingResponse(response.aiter_raw(), status_code=response.status_code,
+                                     media_type="text/event-stream", headers=headers,
+                                     background=BackgroundTask(response.aclose))
+        raw = await response.aread()
+        await response.aclose()
+        if notes and response.status_code < 400:
+            try:
+                payload = json.loads(raw)
+                payload.setdefault("foretell", {})["notes"] = notes
+                raw = json.dumps(payload).encode()
+            except ValueError:
+                pass
+        return Response(raw, status_code=response.status_code, media_type=content_type, headers=headers)
+
+    async def run_local(request: Request, local: LocalModel, parsed, path: str):
+        is_chat = path == "/chat/completions"
+        prompt_text = _chat_prompt(local.tokenizer, parsed.messages) if is_chat else parsed.prompt
+        # Chat templates write the BOS token themselves; do not add a second one.
+        has_bos = bool(local.tokenizer.bos_token) and prompt_text.startswith(local.tokenizer.bos_token)
+        prompt_ids = local.tokenizer(prompt_text, add_special_tokens=not has_bos)["input_ids"]
+        if len(prompt_ids) >= local.context:
+            raise APIError(400, f"the prompt has {len(prompt_ids)} tokens; this model's context is "
+                           f"{local.context}", param="messages" if is_chat else "prompt",
+                           code="context_length_exceeded")
+        requested = (getattr(parsed, "max_completion_tokens", None) or parsed.max_tokens
+                     or (settings.default_max_tokens if is_chat else 16))
+        if requested > local.context - len(prompt_ids):
+            raise APIError(400, f"max_tokens {requested} plus the prompt's {len(prompt_ids)} tokens "
+                           f"exceed the context of {local.context}", param="max_tokens",
+                           code="context_length_exceeded")
+        prediction = parsed.prediction.text() if parsed.prediction else None
+        if prediction is not None and len(prediction) > settings.max_prediction_chars:
+            raise APIError(413, f"prediction over {settings.max_prediction_chars} characters",
+                           param="prediction", code="prediction_too_large")
+        if parsed.stream and parsed.n > 1:
+            raise APIError(400, "n > 1 is not supported with stream", param="n")
+        from foretell.proxy.engine import GenerationRequest
+
+        speculation = parsed.speculation
+        gen_request = GenerationRequest(
+            prompt_ids=prompt_ids, max_tokens=requested, prediction=prediction,
+            prompt_lookup=bool(speculation and speculation.prompt_lookup),
+            stop=parsed.stop_strings(),
+            max_draft=(speculation.max_draft if speculation and speculation.max_draft else 128),
+            temperature=parsed.temperature or 0.0, top_p=parsed.top_p or 1.0, seed=parsed.seed,
+        )
+        ids = ("chatcmpl-" if is_chat else "cmpl-") + uuid.uuid4().hex
+        created = int(time.time())
+        jobs = []
+        try:
+            for _ in range(1 if parsed.stream else parsed.n):
+                jobs.append(local.worker.submit(gen_request))
+        except QueueFullError:
+            for job in jobs:  # all n choices or none
+                job.cancel()
+            raise
+        started = time.perf_counter()
+        if parsed.stream:
+            include_usage = bool(parsed.stream_options and parsed.stream_options.include_usage)
+            return StreamingResponse(
+                stream_events(request, local, jobs[0], ids, created, is_chat, include_usage, started),
+                media_type="text/event-stream")
+        results = []
+        for job in jobs:
+            results.append(await collect(request, local, job, started))
+        return completion_body(local, results, ids, created, is_chat)
+
+    async def wait_event(request: Request, job):
+        """Next engine event; cancels the job when the client has gone away."""
+        while True:
+            try:
+                return await asyncio.wait_for(job.events.get(), timeout=0.25)
+            except asyncio.TimeoutError:
+                if await request.is_disconnected():
+                    job.cancel()
+                    raise ClientGone from None
+
+    async def collect(request: Request, local: LocalModel, job, started: float):
+        first = None
+        try:
+            while True:
+                event = await wait_event(request, job)
+                if event[0] == "tokens":
+                    first = first or time.perf_counter()
+                    continue
+                if event[0] == "error":
+                    raise APIError(500, f"generation failed: {event[1]}", type="server_error")
+                result = event[1]
+                observe(local, result, started, first)
+                return result
+        except ClientGone:
+            return None
+
+    def observe(local: LocalModel, result, started: float, first: float | None) -> None:
+        now = time.perf_counter()
+        if first is not None:
+            metrics.time_to_first_token.labels(local.name).observe(first - started)
+            if result.stats.completion_tokens > 1:
+                metrics.inter_token_latency.labels(local.name).observe(
+                    (now - first) / (result.stats.completion_tokens - 1))
+        metrics.e2e_latency.labels(local.name).observe(now - started)
+        metrics.record_generation(local.name, result.stats, result.finish_reason)
+
+    async def stream_events(request, local: LocalModel, job, ids, created, is_chat, include_usage, started):
+        kind = "chat.completion.chunk" if is_chat else "text_completion"
+
+        def chunk(choice: dict, usage=None, extra=None) -> bytes:
+            payload = {"id": ids, "object": kind, "created": created, "model": local.name,
+                       "choices": [choice] if choice is not None else []}
+            if usage is not None:
+                payload["usage"] = usage
+            if extra:
+                payload.update(extra)
+            return _sse(payload)
+
+        def choice(text: str | None, finish_reason=None, role=False) -> dict:
+            if is_chat:
+                delta = {"role": "assistant", "content": ""} if role else (
+                    {"content": text} if text is not None else {})
+                return {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+            return {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish_reason}
+
+        first = None
+        try:
+            if is_chat:
+                yield chunk(choice(None, role=True))
+            while True:
+                try:
+                    event = await wait_event(request, job)
+                except ClientGone:
+                    return
+                if event[0] == "tokens":
+                    first = first or time.perf_counter()
+                    if event[2]:
+                        yield chunk(choice(event[2]))
+                    continue
+                if event[0] == "error":
+                    yield _sse(APIError(500, f"generation failed: {event[1]}", type="server_error").body())
+                    yield b"data: [DONE]\n\n"
+                    return
+                result = event[1]
+                observe(local, result, started, first)
+                yield chunk(choice(None if is_chat else "", finish_reason=_finish(result)))
+                if include_usage:
+                    yield chunk(None, usage=usage_body(result), extra={"speculation": speculation_body(result)})
+                yield b"data: [DONE]\n\n"
+                return
+        finally:
+            job.cancel()  # no-op when finished; stops the engine if the client went away
+
+    def completion_body(local: LocalModel, results, ids, created, is_chat) -> dict | Response:
+        if any(r is None for r in results):
+            return Response(status_code=499)  # the client is gone; nobody reads this
+        choices = []
+        for index, result in enumerate(results):
+            if is_chat:
+                choices.append({"index": index, "message": {"role": "assistant", "content": result.text},
+                                "logprobs": None, "finish_reason": _finish(result)})
+            else:
+                choices.append({"index": index, "text": result.text, "logprobs": None,
+                                "finish_reason": _finish(result)})
+        usage = usage_body(results[0])
+        usage["completion_tokens"] = sum(r.stats.completion_tokens for r in results)
+        usage["total_tokens"] = usage["prompt_tokens"] + usage["completion_tokens"]
+        return {"id": ids, "object": "chat.completion" if is_chat else "text_completion",
+                "created": created, "model": local.name, "choices": choices, "usage": usage,
+                "speculation": speculation_body(results[0])}
+
+    return app
+
+
+KNOWN_PATHS = {"/health", "/metrics", "/v1/models", "/v1/completions", "/v1/chat/completions"}
+
+
+class ClientGone(Exception):
+    pass
+
+
+def _finish(result) -> str:
+    return "length" if result.finish_reason == "length" else "stop"
+
+
+def usage_body(result) -> dict:
+    stats = result.stats
+    return {
+        "prompt_tokens": stats.prompt_tokens,
+        "completion_tokens": stats.completion_tokens,
+        "total_tokens": stats.prompt_tokens + stats.completion_tokens,
+        "completion_tokens_details": {
+            "accepted_prediction_tokens": stats.accepted_prediction_tokens,
+            "rejected_prediction_tokens": stats.rejected_prediction_tokens,
+            "reasoning_tokens": 0,
+        },
+    }
+
+
+def speculation_body(result) -> dict:
+    """foretell's per-request speculation report (an extension field of the response)."""
+    stats = result.stats
+    return {
+        "target_passes": stats.target_passes,
+        "drafted_tokens": stats.drafted_tokens,
+        "accepted_tokens": stats.accepted_tokens,
+        "acceptance_rate": round(stats.acceptance_rate, 4),
+        "per_source": {name: vars(source).copy() for name, source in stats.per_source.items()},
+        "decode_seconds": round(stats.decode_seconds, 4),
+    }
+
+
+def _chat_prompt(tokenizer, messages) -> str:
+    turns = [{"role": "system" if m.role == "developer" else m.role, "content": m.text()}
+             for m in messages]
+    if getattr(tokenizer, "chat_template", None):
+        try:
+            return tokenizer.apply_chat_template(turns, tokenize=False, add_generation_prompt=True)
+        except Exception as error:  # a template that rejects this conversation (e.g. roles)
+            raise APIError(400, f"the model's chat template rejected the messages: {error}",
+                           param="messages") from None
+    lines = [f"{turn['role'].capitalize()}: {turn['content']}" for turn in turns]
+    return "\n".join(lines) + "\nAssistant:"
+
+
+def _check_key(header: str, keys: tuple[str, ...]) -> None:
+    scheme, _, token = header.partition(" ")
+    if scheme.lower() != "bearer" or not token:
+        raise APIError(401, "missing API key: send 'Authorization: Bearer <key>'",
+                       type="authentication_error", code="invalid_api_key")
+    # Compare against every key in constant time (no early exit on the first match).
+    matched = False
+    for key in keys:
+        matched |= hmac.compare_digest(token.encode(), key.encode())
+    if not matched:
+        raise APIError(401, "invalid API key", type="authentication_error", code="invalid_api_key")
+
+
+def _default_loader(settings: ServerSettings):
+    def load() -> LocalModel:
+        from foretell.proxy.engine import SpeculativeEngine
+        from foretell.proxy.model_loader import load_model
+        from foretell.proxy.worker import EngineWorker
+
+        loaded = load_model(settings.model)
+        engine = SpeculativeEngine(loaded.model, loaded.tokenizer)
+        if settings.calibrate:
+            engine.calibrate()
+        return LocalModel(loaded, engine, EngineWorker(engine, settings.max_queue),
+                          settings.served_model_name or loaded.name)
+
+    return load

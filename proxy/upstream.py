@@ -1,0 +1,164 @@
+"""Routes and forwarding: models not served locally go to an OpenAI-compatible upstream.
+
+Base URLs and keys come only from the server's configuration file and environment, never from
+the request. The client's credentials are replaced by the route's key; keys never appear in
+errors or logs. Streaming stays streaming (chunks are passed on as they arrive). Retries with
+backoff happen only before any byte of a response has arrived.
+
+Configuration file (TOML), see ``examples/foretell.toml``::
+
+    [upstreams.openai]
+    base_url = "https://api.openai.com/v1"
+    api_key_env = "OPENAI_API_KEY"
+    supports_prediction = true
+
+    [models."gpt-4o-mini"]
+    upstream = "openai"
+
+    [models."gemma-3-270m"]
+    local = true
+    fallback = "openai"        # used when the local queue is full
+
+``FORETELL_UPSTREAM_BASE_URL`` / ``FORETELL_UPSTREAM_API_KEY`` set a default upstream for every
+model not named in the file.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import random
+import tomllib
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+
+from foretell.proxy.openai_schema import APIError
+
+# Body fields that are foretell's own and never go upstream.
+LOCAL_ONLY_FIELDS = ("speculation",)
+
+
+@dataclass(frozen=True)
+class Upstream:
+    name: str
+    base_url: str
+    api_key_env: str | None = None
+    api_key: str | None = field(default=None, repr=False)  # only from FORETELL_UPSTREAM_API_KEY
+    supports_prediction: bool = False
+    timeout_seconds: float = 60.0
+    connect_timeout_seconds: float = 10.0
+    max_retries: int = 2
+
+    def key(self) -> str | None:
+        if self.api_key is not None:
+            return self.api_key
+        return os.environ.get(self.api_key_env) if self.api_key_env else None
+
+
+@dataclass(frozen=True)
+class ModelRoute:
+    local: bool = False
+    upstream: str | None = None
+    fallback: str | None = None  # upstream to use when the local queue is full
+
+
+@dataclass
+class RouteTable:
+    upstreams: dict[str, Upstream] = field(default_factory=dict)
+    models: dict[str, ModelRoute] = field(default_factory=dict)
+    default_upstream: str | None = None
+
+    def route_for(self, model: str, local_names: set[str]) -> ModelRoute | None:
+        if model in self.models:
+            return self.models[model]
+        if model in local_names:
+            return ModelRoute(local=True)
+        if self.default_upstream:
+            return ModelRoute(upstream=self.default_upstream)
+        return None
+
+
+def load_routes(config_path: str | None, environ=os.environ) -> RouteTable:
+    """Read the configuration file (if any) and the default-upstream environment variables."""
+    table = RouteTable()
+    if config_path:
+        path = Path(config_path)
+        try:
+            data = tomllib.loads(path.read_text())
+        except FileNotFoundError:
+            raise ValueError(f"config file {config_path} does not exist") from None
+        except tomllib.TOMLDecodeError as error:
+            raise ValueError(f"config file {config_path} is not valid TOML: {error}") from None
+        for name, spec in data.get("upstreams", {}).items():
+            unknown = set(spec) - {"base_url", "api_key_env", "supports_prediction", "timeout_seconds",
+                                   "connect_timeout_seconds", "max_retries"}
+            if unknown or "base_url" not in spec:
+                raise ValueError(f"upstream {name!r}: needs base_url; unknown keys {sorted(unknown)}")
+            table.upstreams[name] = Upstream(name=name, **spec)
+        for model, spec in data.get("models", {}).items():
+            route = ModelRoute(local=bool(spec.get("local", False)), upstream=spec.get("upstream"),
+                               fallback=spec.get("fallback"))
+            for ref in (route.upstream, route.fallback):
+                if ref is not None and ref not in table.upstreams:
+                    raise ValueError(f"model {model!r} names unknown upstream {ref!r}")
+            if not route.local and route.upstream is None:
+                raise ValueError(f"model {model!r}: set local = true or upstream = NAME")
+            table.models[model] = route
+    base_url = environ.get("FORETELL_UPSTREAM_BASE_URL")
+    if base_url:
+        table.upstreams.setdefault("default", Upstream(
+            name="default", base_url=base_url, api_key=environ.get("FORETELL_UPSTREAM_API_KEY"),
+            supports_prediction=environ.get("FORETELL_UPSTREAM_SUPPORTS_PREDICTION", "1") != "0"))
+        table.default_upstream = "default"
+    return table
+
+
+def prepare_body(body: dict, upstream: Upstream) -> tuple[dict, list[str]]:
+    """The body to send upstream, and notes for the client about what was dropped."""
+    body = {k: v for k, v in body.items() if k not in LOCAL_ONLY_FIELDS}
+    notes = []
+    if "prediction" in body and not upstream.supports_prediction:
+        del body["prediction"]
+        notes.append(f"prediction dropped: upstream {upstream.name!r} does not support predicted outputs")
+    return body, notes
+
+
+class Forwarder:
+    """Sends requests to upstreams with one shared connection pool."""
+
+    def __init__(self):
+        self.client = httpx.AsyncClient()
+
+    async def close(self) -> None:
+        await self.client.aclose()
+
+    async def open(self, upstream: Upstream, path: str, body: dict) -> httpx.Response:
+        """Send the request and return the response with its body not yet read.
+
+        Retries (exponential backoff with jitter) only when no response arrived at all.
+        Raises APIError 502 (unreachable) or 504 (timed out).
+        """
+        url = upstream.base_url.rstrip("/") + path
+        headers = {"content-type": "application/json", "accept": "application/json, text/event-stream"}
+        key = upstream.key()
+        if key:
+            headers["authorization"] = f"Bearer {key}"
+        timeout = httpx.Timeout(upstream.timeout_seconds, connect=upstream.connect_timeout_seconds)
+        attempt = 0
+        while True:
+            request = self.client.build_request("POST", url, json=body, headers=headers, timeout=timeout)
+            try:
+                return await self.client.send(request, stream=True)
+            except httpx.TimeoutException:
+                failure = APIError(504, f"upstream {upstream.name!r} timed out", type="upstream_error",
+                                   code="upstream_timeout")
+            except httpx.TransportError as error:
+                # The message names the host and the error class only: never headers or keys.
+                failure = APIError(502, f"upstream {upstream.name!r} unreachable: {type(error).__name__}",
+                                   type="upstream_error", code="upstream_unreachable")
+            if attempt >= upstream.max_retries:
+                raise failure
+            await asyncio.sleep(min(4.0, 0.2 * 2 ** attempt) * (0.5 + random.random()))
+            attempt += 1

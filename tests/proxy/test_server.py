@@ -1,0 +1,351 @@
+"""The proxy over real HTTP: ``foretell serve`` as a subprocess on 127.0.0.1 (the tiny model),
+the official ``openai`` package as the client, and a real stub upstream for forwarding."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+
+import httpx
+import openai
+import pytest
+
+from foretell.proxy.engine import GenerationRequest, SpeculativeEngine
+from tests.proxy.upstream_stub import StubServer, free_port
+
+API_KEY = "sk-test-key"
+UPSTREAM_KEY = "upstream-secret-key"
+MODEL = "tiny"
+PROMPT = "def total(items):\n    result = 0\n"
+
+
+@pytest.fixture(scope="module")
+def upstream():
+    with StubServer() as stub:
+        yield stub
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory, tiny_model_folder, upstream):
+    config = tmp_path_factory.mktemp("config") / "foretell.toml"
+    config.write_text(f"""
+[upstreams.stub]
+base_url = "{upstream.base_url}"
+api_key_env = "STUB_KEY"
+supports_prediction = true
+max_retries = 0
+
+[upstreams.stub-nopred]
+base_url = "{upstream.base_url}"
+api_key_env = "STUB_KEY"
+
+[upstreams.down]
+base_url = "http://127.0.0.1:{free_port()}/v1"
+max_retries = 1
+
+[upstreams.slow]
+base_url = "{upstream.base_url}"
+timeout_seconds = 1.0
+max_retries = 0
+
+[models.up-ok]
+upstream = "stub"
+[models.up-500]
+upstream = "stub"
+[models.up-400]
+upstream = "stub"
+[models.up-nopred]
+upstream = "stub-nopred"
+[models.up-down]
+upstream = "down"
+[models.up-slow]
+upstream = "slow"
+""")
+    port = free_port()
+    env = dict(os.environ, STUB_KEY=UPSTREAM_KEY, HF_HUB_OFFLINE="1")
+    process = subprocess.Popen(
+        [sys.executable, "-m", "foretell.cli", "serve", "--model", str(tiny_model_folder),
+         "--served-model-name", MODEL, "--port", str(port), "--api-key", API_KEY, "--config", str(config),
+         "--no-calibrate", "--max-queue", "1", "--max-body-bytes", "200000",
+         "--max-prediction-chars", "5000"],
+        env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    base = f"http://127.0.0.1:{port}"
+    saw_loading = False
+    deadline = time.time() + 180
+    while True:
+        if process.poll() is not None:
+            raise RuntimeError("foretell serve exited:\n" + process.stdout.read())
+        try:
+            status = httpx.get(base + "/health", timeout=2).status_code
+            if status == 200:
+                break
+            saw_loading |= status == 503
+        except httpx.TransportError:
+            pass
+        if time.time() > deadline:
+            process.kill()
+            raise RuntimeError("foretell serve did not become healthy")
+        time.sleep(0.1)
+    yield {"base": base, "saw_loading": saw_loading}
+    process.terminate()
+    process.wait(timeout=20)
+
+
+@pytest.fixture
+def client(server):
+    return openai.OpenAI(base_url=server["base"] + "/v1", api_key=API_KEY, max_retries=0, timeout=120)
+
+
+@pytest.fixture(scope="module")
+def engine_plain(tiny_model, tokenizer):
+    engine = SpeculativeEngine(tiny_model, tokenizer)
+
+    def plain(prompt_ids, max_tokens):
+        return engine.generate(GenerationRequest(prompt_ids=prompt_ids, max_tokens=max_tokens))
+
+    return plain
+
+
+def raw(server, path, body=None, *, content=None, key=API_KEY, method="POST"):
+    headers = {"authorization": f"Bearer {key}"} if key else {}
+    if content is None and body is not None:
+        content = json.dumps(body).encode()
+        headers["content-type"] = "application/json"
+    return httpx.request(method, server["base"] + path, content=content, headers=headers, timeout=60)
+
+
+# ---- basics ---------------------------------------------------------------------------------
+
+def test_health_answers_503_while_loading_then_200(server):
+    assert server["saw_loading"], "the port should open before the model is loaded"
+    assert httpx.get(server["base"] + "/health").status_code == 200
+
+
+def test_models_lists_the_local_model(client):
+    names = [m.id for m in client.models.list().data]
+    assert MODEL in names and "up-ok" in names
+
+
+def test_completion_equals_engine_greedy(client, engine_plain, tokenizer):
+    expected = engine_plain(tokenizer(PROMPT)["input_ids"], 40)
+    response = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=40, temperature=0)
+    assert response.choices[0].text == expected.text
+    assert response.usage.completion_tokens == len(expected.token_ids)
+
+
+def test_completion_with_prediction_is_exact_and_reports_usage(client, engine_plain, tokenizer):
+    expected = engine_plain(tokenizer(PROMPT)["input_ids"], 40)
+    response = client.completions.create(
+        model=MODEL, prompt=PROMPT, max_tokens=40, temperature=0,
+        extra_body={"prediction": {"type": "content", "content": expected.text}})
+    assert response.choices[0].text == expected.text
+    details = response.usage.completion_tokens_details
+    assert details.accepted_prediction_tokens > 0 and details.rejected_prediction_tokens == 0
+    speculation = response.model_extra["speculation"]
+    assert speculation["per_source"]["prediction"]["accepted"] > 0
+    assert speculation["target_passes"] < 40
+
+
+def test_chat_with_prediction_parts_matches_plain_chat(client):
+    messages = [{"role": "user", "content": "Write a loop."}]
+    plain = client.chat.completions.create(model=MODEL, messages=messages, max_completion_tokens=30,
+                                           temperature=0)
+    text = plain.choices[0].message.content
+    predicted = client.chat.completions.create(
+        model=MODEL, messages=messages, max_completion_tokens=30, temperature=0,
+        prediction={"type": "content", "content": [{"type": "text", "text": text[:20]},
+                                                   {"type": "text", "text": text[20:]}]})
+    assert predicted.choices[0].message.content == text
+    assert predicted.usage.completion_tokens_details.accepted_prediction_tokens > 0
+
+
+def test_stream_with_usage_equals_non_stream(client):
+    full = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=40, temperature=0)
+    chunks = list(client.completions.create(
+        model=MODEL, prompt=PROMPT, max_tokens=40, temperature=0, stream=True,
+        stream_options={"include_usage": True},
+        extra_body={"prediction": {"type": "content", "content": full.choices[0].text}}))
+    text = "".join(c.choices[0].text for c in chunks if c.choices)
+    assert text == full.choices[0].text
+    assert len([c for c in chunks if c.choices]) > 1  # streamed in pieces, not one blob
+    assert chunks[-1].usage.completion_tokens == full.usage.completion_tokens
+    assert chunks[-1].usage.completion_tokens_details.accepted_prediction_tokens > 0
+
+
+def test_chat_stream(client):
+    plain = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}],
+                                           max_tokens=20, temperature=0)
+    stream = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}],
+                                            max_tokens=20, temperature=0, stream=True)
+    text = "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
+    assert text == plain.choices[0].message.content
+
+
+def test_prompt_lookup_through_extra_body(client):
+    response = client.completions.create(model=MODEL, prompt=PROMPT * 4, max_tokens=30, temperature=0,
+                                         extra_body={"speculation": {"prompt_lookup": True}})
+    assert "prompt_lookup" in response.model_extra["speculation"]["per_source"]
+
+
+def test_sampling_works_and_seed_reproduces(client):
+    kwargs = dict(model=MODEL, prompt=PROMPT, max_tokens=20, temperature=0.9, top_p=0.9, seed=7)
+    first = client.completions.create(**kwargs).choices[0].text
+    second = client.completions.create(**kwargs).choices[0].text
+    assert first == second and first
+
+
+def test_unknown_fields_are_ignored(server):
+    response = raw(server, "/v1/completions", {"model": MODEL, "prompt": "x", "max_tokens": 2,
+                                               "temperature": 0, "frequency_penalty_v9": 1})
+    assert response.status_code == 200
+
+
+# ---- errors ---------------------------------------------------------------------------------
+
+def test_errors_raise_the_right_openai_exceptions(server, client):
+    with pytest.raises(openai.NotFoundError):
+        client.completions.create(model="no-such-model", prompt="x")
+    with pytest.raises(openai.BadRequestError) as bad:
+        client.completions.create(model=MODEL, prompt="x", max_tokens=-3)
+    assert "max_tokens" in bad.value.message
+    anonymous = openai.OpenAI(base_url=server["base"] + "/v1", api_key="wrong", max_retries=0)
+    with pytest.raises(openai.AuthenticationError):
+        anonymous.completions.create(model=MODEL, prompt="x")
+
+
+BAD_INPUTS = [
+    ("malformed json", "/v1/completions", None, b'{"model": "tiny", "prompt": ', 400),
+    ("not an object", "/v1/completions", [1, 2], None, 400),
+    ("wrong type", "/v1/completions", {"model": MODEL, "prompt": "x", "max_tokens": "ten"}, None, 400),
+    ("negative max_tokens", "/v1/completions", {"model": MODEL, "prompt": "x", "max_tokens": -1}, None, 400),
+    ("huge max_tokens", "/v1/completions", {"model": MODEL, "prompt": "x", "max_tokens": 10**9}, None, 400),
+    ("empty messages", "/v1/chat/completions", {"model": MODEL, "messages": []}, None, 400),
+    ("image prediction part", "/v1/chat/completions",
+     {"model": MODEL, "messages": [{"role": "user", "content": "x"}],
+      "prediction": {"type": "content", "content": [{"type": "image_url", "image_url": "x"}]}}, None, 400),
+    ("prediction over limit", "/v1/completions",
+     {"model": MODEL, "prompt": "x", "prediction": {"type": "content", "content": "y" * 6000}}, None, 413),
+    ("body over limit", "/v1/completions", {"model": MODEL, "prompt": "x" * 300000}, None, 413),
+    ("invalid utf-8", "/v1/completions", None, b'{"model": "tiny", "prompt": "\xff\xfe"}', 400),
+    ("prompt over context", "/v1/completions", {"model": MODEL, "prompt": " word" * 5000}, None, 400),
+    ("temperature out of range", "/v1/completions", {"model": MODEL, "prompt": "x", "temperature": 9}, None, 400),
+    ("missing model", "/v1/completions", {"prompt": "x"}, None, 400),
+]
+
+
+@pytest.mark.parametrize("name,path,body,content,status", BAD_INPUTS, ids=[b[0] for b in BAD_INPUTS])
+def test_bad_input_gets_a_clear_4xx(server, name, path, body, content, status):
+    response = raw(server, path, body, content=content)
+    assert response.status_code == status, response.text
+    error = response.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"} and error["message"]
+
+
+def test_server_still_serves_after_bad_input(server, client):
+    for name, path, body, content, status in BAD_INPUTS:
+        raw(server, path, body, content=content)
+    assert httpx.get(server["base"] + "/health").status_code == 200
+    assert client.completions.create(model=MODEL, prompt="x", max_tokens=3, temperature=0).choices[0].text
+
+
+def test_health_needs_no_key_but_v1_does(server):
+    assert httpx.get(server["base"] + "/health").status_code == 200
+    assert raw(server, "/v1/models", method="GET", key=None).status_code == 401
+
+
+# ---- load: disconnects and the bounded queue --------------------------------------------------
+
+def _metric(server, name: str, **labels) -> float:
+    text = httpx.get(server["base"] + "/metrics").text
+    total = 0.0
+    for line in text.splitlines():
+        if line.startswith(name) and all(f'{k}="{v}"' in line for k, v in labels.items()):
+            total += float(line.rsplit(" ", 1)[1])
+    return total
+
+
+def test_disconnect_mid_stream_frees_the_engine(server, client):
+    cancelled_before = _metric(server, "foretell_request_success_total", finish_reason="cancelled")
+    body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 3000, "temperature": 0, "stream": True}
+    with httpx.stream("POST", server["base"] + "/v1/completions", json=body,
+                      headers={"authorization": f"Bearer {API_KEY}"}, timeout=60) as response:
+        lines = response.iter_lines()
+        assert next(line for line in lines if line.startswith("data:"))
+    # The next request is served, and the abandoned one ended as cancelled, well short of 3000.
+    assert client.completions.create(model=MODEL, prompt="x", max_tokens=5, temperature=0).choices
+    deadline = time.time() + 30
+    while _metric(server, "foretell_request_success_total", finish_reason="cancelled") <= cancelled_before:
+        assert time.time() < deadline, "the abandoned generation was never cancelled"
+        time.sleep(0.1)
+
+
+def test_full_queue_answers_429_with_retry_after(server):
+    body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 3000, "temperature": 0, "stream": True}
+    headers = {"authorization": f"Bearer {API_KEY}"}
+    with httpx.stream("POST", server["base"] + "/v1/completions", json=body, headers=headers,
+                      timeout=60) as running:
+        next(line for line in running.iter_lines() if line.startswith("data:"))  # holds the engine
+        with httpx.stream("POST", server["base"] + "/v1/completions", json=body, headers=headers,
+                          timeout=60):  # waits in the queue (size 1)
+            time.sleep(0.3)
+            refused = raw(server, "/v1/completions", {"model": MODEL, "prompt": "x", "max_tokens": 2})
+    assert refused.status_code == 429
+    assert refused.headers["retry-after"]
+    assert refused.json()["error"]["code"] == "queue_full"
+
+
+def test_metrics_expose_speculation_counters(server, client):
+    client.completions.create(model=MODEL, prompt=PROMPT * 3, max_tokens=20, temperature=0,
+                              extra_body={"speculation": {"prompt_lookup": True}})
+    text = httpx.get(server["base"] + "/metrics").text
+    for name in ("foretell_spec_decode_num_draft_tokens_total", "foretell_spec_decode_num_accepted_tokens_total",
+                 "foretell_spec_decode_num_accepted_tokens_per_pos_total", "foretell_time_to_first_token_seconds",
+                 "foretell_inter_token_latency_seconds", "foretell_generation_tokens_total",
+                 "foretell_requests_total"):
+        assert name in text, name
+
+
+# ---- upstream forwarding --------------------------------------------------------------------
+
+def test_routes_by_model_name_and_replaces_the_key(client, upstream):
+    response = client.chat.completions.create(model="up-ok", messages=[{"role": "user", "content": "hi"}])
+    assert response.choices[0].message.content == "Hello from upstream"
+    seen = upstream.received[-1]
+    assert seen["headers"]["authorization"] == f"Bearer {UPSTREAM_KEY}"
+    assert API_KEY not in json.dumps(seen)
+
+
+def test_prediction_passes_to_upstreams_that_support_it(client, upstream):
+    prediction = {"type": "content", "content": "Hello"}
+    client.chat.completions.create(model="up-ok", messages=[{"role": "user", "content": "hi"}],
+                                   prediction=prediction, extra_body={"speculation": {"prompt_lookup": True}})
+    assert upstream.received[-1]["body"]["prediction"] == prediction
+    assert "speculation" not in upstream.received[-1]["body"]  # foretell's own extension stays here
+
+
+def test_prediction_is_dropped_with_a_note_elsewhere(client, upstream):
+    response = client.chat.completions.with_raw_response.create(
+        model="up-nopred", messages=[{"role": "user", "content": "hi"}],
+        prediction={"type": "content", "content": "Hello"})
+    assert "prediction" not in upstream.received[-1]["body"]
+    assert "prediction dropped" in response.headers["x-foretell-note"]
+    assert "prediction dropped" in response.parse().model_extra["foretell"]["notes"][0]
+
+
+def test_streaming_passes_through(client):
+    stream = client.chat.completions.create(model="up-ok", messages=[{"role": "user", "content": "hi"}],
+                                            stream=True)
+    assert "".join(c.choices[0].delta.content or "" for c in stream) == "Hello from upstream"
+
+
+@pytest.mark.parametrize("model,status", [("up-down", 502), ("up-slow", 504), ("up-500", 502), ("up-400", 400)])
+def test_upstream_failures_map_to_openai_errors(server, model, status):
+    response = raw(server, "/v1/chat/completions",
+                   {"model": model, "messages": [{"role": "user", "content": "hi"}]})
+    assert response.status_code == status, response.text
+    error = response.json()["error"]
+    assert error["message"] and UPSTREAM_KEY not in response.text
