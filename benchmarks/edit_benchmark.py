@@ -11,8 +11,8 @@ Modes, each on the same prompt:
   hf-lookup          transformers generate(prompt_lookup_num_tokens=10)
   foretell-plain     the engine with no drafts
   foretell-lookup    the engine with prompt lookup
-  foretell-pred      the engine with the file before the edit as prediction
-  foretell-pred+lu   prediction, with prompt lookup as the fallback
+  foretell-pred      the engine with the file before the edit as prediction, prompt lookup off
+  foretell-pred+lu   prediction, with prompt lookup as the fallback (the engine's default)
   foretell-useless   a prediction from another, unrelated file
 
 Every mode's tokens are compared with hf-greedy (exactness). Figures: tokens/s (output tokens
@@ -153,7 +153,7 @@ def main() -> int:
             else:
                 prediction = {"foretell-pred": before, "foretell-pred+lu": before,
                               "foretell-useless": unrelated}.get(mode)
-                lookup = mode in ("foretell-lookup", "foretell-pred+lu")
+                lookup = mode in ("foretell-lookup", "foretell-pred+lu")  # explicit both ways
                 tokens, seconds, stats = run_foretell(engine, prompt_ids, max_new, prediction, lookup)
             if reference is None:
                 reference = tokens

@@ -55,8 +55,12 @@ def build_parser() -> argparse.ArgumentParser:
                           help="file holding the prompt text ('-' reads stdin)")
     generate.add_argument("--prediction-file", metavar="F",
                           help="file holding the expected output, e.g. the file before an edit")
-    generate.add_argument("--prompt-lookup", action="store_true",
-                          help="also draft by copying n-grams from the prompt and the output so far")
+    lookup = generate.add_mutually_exclusive_group()
+    lookup.add_argument("--prompt-lookup", action="store_true", default=None,
+                        help="draft by copying n-grams from the prompt and the output so far "
+                             "(default: on as the fallback when a prediction is given, else off)")
+    lookup.add_argument("--no-prompt-lookup", dest="prompt_lookup", action="store_false",
+                        help="never use prompt lookup, not even as the prediction's fallback")
     generate.add_argument("--max-tokens", type=_positive_int, default=256, metavar="N",
                           help="most tokens to generate (default: 256)")
     generate.add_argument("--stop", action="append", default=[], metavar="S",

@@ -35,7 +35,8 @@ class GenerationRequest:
     prompt_ids: list[int]
     max_tokens: int = 256
     prediction: str | None = None
-    prompt_lookup: bool = False
+    # Prompt lookup: None means "as the fallback when a prediction is given, else off".
+    prompt_lookup: bool | None = None
     stop: tuple[str, ...] = ()
     # Upper bound on tokens drafted per round; the chooser usually picks fewer.
     max_draft: int = 128
@@ -116,17 +117,27 @@ class GenerationResult:
     token_origins: list[str | None] = field(default_factory=list)
 
 
-def prefill(model, prompt_ids: list[int]) -> DynamicCache:
-    """Run the prompt except its last token into a fresh KV cache (the last one is pending).
+def new_cache(model) -> DynamicCache:
+    """A KV cache that can be rolled back.
 
-    A plain ``DynamicCache()`` keeps full states on sliding-window layers too (Gemma 3), so
-    rejected positions can always be cropped; the attention mask still applies the window.
+    Built from the model's config, sliding-window layers (Gemma 3) keep only their window, so
+    attention there stays short on long contexts, as in ``generate()``. Past recording lets
+    them hold a round's extra states until ``crop`` drops the rejected ones and trims the rest
+    back to the window; every forward pass must therefore be followed by a ``crop``.
     """
-    cache = DynamicCache()
+    cache = DynamicCache(config=model.config)
+    cache.activate_past_recording()
+    return cache
+
+
+def prefill(model, prompt_ids: list[int]) -> DynamicCache:
+    """Run the prompt except its last token into a fresh KV cache (the last one is pending)."""
+    cache = new_cache(model)
     if len(prompt_ids) > 1:
         device = next(model.parameters()).device
         prefix = torch.tensor([prompt_ids[:-1]], device=device)
         model(input_ids=prefix, cache=cache, use_cache=True, logits_to_keep=1)
+        cache.crop(0)  # trim sliding-window layers back to their window
     return cache
 
 
@@ -143,8 +154,7 @@ def verify_draft(model, cache: DynamicCache, pending: int, draft: list[int]) -> 
     num_draft = torch.tensor([len(draft)], dtype=torch.long, device=device)  # [1]
     num_accepted, output_tokens = greedy_verify(logits, draft_tokens, num_draft)
     accepted = int(num_accepted[0])
-    if accepted < len(draft):
-        cache.crop(accepted - len(draft))  # roll back the rejected positions
+    cache.crop(accepted - len(draft))  # roll back the rejected positions (0: just trim windows)
     return accepted, output_tokens[0, : accepted + 1].tolist()
 
 
@@ -154,6 +164,7 @@ def sample_next(model, cache: DynamicCache, pending: int, temperature: float, to
     device = next(model.parameters()).device
     logits = model(input_ids=torch.tensor([[pending]], device=device), cache=cache,
                    use_cache=True).logits[0, -1].float()  # [V]
+    cache.crop(0)
     probs = torch.softmax(logits / temperature, dim=-1)
     if top_p < 1.0:
         sorted_probs, order = torch.sort(probs, descending=True)
@@ -183,8 +194,9 @@ class SpeculativeEngine:
     def calibrate(self, context_tokens: int = 256, positions=(1, 17, 65)) -> PassCostModel:
         """Measure this model's pass cost on this machine (about a second on a 2-core CPU)."""
         prompt = torch.randint(10, 1000, (1, context_tokens), device=self.device)
-        cache = DynamicCache()
+        cache = new_cache(self.model)
         self.model(input_ids=prompt, cache=cache, use_cache=True, logits_to_keep=1)
+        cache.crop(0)
 
         def forward(n: int) -> None:
             ids = torch.randint(10, 1000, (1, n), device=self.device)
@@ -228,7 +240,8 @@ class SpeculativeEngine:
         sources = []
         if request.prediction and not sampling:
             sources.append(PredictionSource(self.tokenizer, request.prediction))
-        if request.prompt_lookup and not sampling:
+        use_lookup = request.prompt_lookup if request.prompt_lookup is not None else bool(request.prediction)
+        if use_lookup and not sampling:
             sources.append(PromptLookupSource(prompt))
         generator = None
         if sampling:

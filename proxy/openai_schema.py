@@ -46,9 +46,11 @@ class Prediction(_Lenient):
 
 
 class Speculation(_Lenient):
-    """foretell's extension: ``{"prompt_lookup": true, "max_draft": 64}``."""
+    """foretell's extension: ``{"prompt_lookup": true, "max_draft": 64}``.
 
-    prompt_lookup: StrictBool = False
+    ``prompt_lookup`` unset means: on as the fallback when a prediction is given, else off."""
+
+    prompt_lookup: StrictBool | None = None
     max_draft: StrictInt | None = Field(default=None, ge=1, le=512)
 
 

@@ -67,14 +67,15 @@ def _sse(payload) -> bytes:
 
 
 def create_app(settings: ServerSettings, load_local=None) -> FastAPI:
-    """Build the app. ``load_local()`` returns a ``LocalModel`` (run on a background thread)."""
+    """Build the app. ``load_local(metrics)`` returns a ``LocalModel`` (run on a background
+    thread)."""
     metrics = Metrics()
     forwarder = Forwarder()
     state = {"local": None, "load_error": None}
 
     def load() -> None:
         try:
-            state["local"] = (load_local or _default_loader(settings))()
+            state["local"] = (load_local or _default_loader(settings))(metrics)
         except Exception as error:  # reported by /health, the server stays up
             state["load_error"] = f"{type(error).__name__}: {error}"
 
@@ -246,7 +247,7 @@ def create_app(settings: ServerSettings, load_local=None) -> FastAPI:
         speculation = parsed.speculation
         gen_request = GenerationRequest(
             prompt_ids=prompt_ids, max_tokens=requested, prediction=prediction,
-            prompt_lookup=bool(speculation and speculation.prompt_lookup),
+            prompt_lookup=speculation.prompt_lookup if speculation else None,
             stop=parsed.stop_strings(),
             max_draft=(speculation.max_draft if speculation and speculation.max_draft else 128),
             temperature=parsed.temperature or 0.0, top_p=parsed.top_p or 1.0, seed=parsed.seed,
@@ -306,7 +307,6 @@ def create_app(settings: ServerSettings, load_local=None) -> FastAPI:
                 metrics.inter_token_latency.labels(local.name).observe(
                     (now - first) / (result.stats.completion_tokens - 1))
         metrics.e2e_latency.labels(local.name).observe(now - started)
-        metrics.record_generation(local.name, result.stats, result.finish_reason)
 
     async def stream_events(request, local: LocalModel, job, ids, created, is_chat, include_usage, started):
         kind = "chat.completion.chunk" if is_chat else "text_completion"
@@ -441,7 +441,7 @@ def _check_key(header: str, keys: tuple[str, ...]) -> None:
 
 
 def _default_loader(settings: ServerSettings):
-    def load() -> LocalModel:
+    def load(metrics: Metrics) -> LocalModel:
         from foretell.proxy.engine import SpeculativeEngine
         from foretell.proxy.model_loader import load_model
         from foretell.proxy.worker import EngineWorker
@@ -450,7 +450,11 @@ def _default_loader(settings: ServerSettings):
         engine = SpeculativeEngine(loaded.model, loaded.tokenizer)
         if settings.calibrate:
             engine.calibrate()
-        return LocalModel(loaded, engine, EngineWorker(engine, settings.max_queue),
-                          settings.served_model_name or loaded.name)
+        name = settings.served_model_name or loaded.name
+
+        def record(result) -> None:
+            metrics.record_generation(name, result.stats, result.finish_reason)
+
+        return LocalModel(loaded, engine, EngineWorker(engine, settings.max_queue, on_result=record), name)
 
     return load

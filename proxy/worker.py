@@ -38,8 +38,11 @@ class Job:
 class EngineWorker:
     """A single thread that owns the engine; ``submit`` is called from the event loop."""
 
-    def __init__(self, engine, max_queue: int = 16):
+    def __init__(self, engine, max_queue: int = 16, on_result=None):
         self.engine = engine
+        # Called on the worker thread with every finished result, cancelled ones included
+        # (their client is gone, so nobody else sees them).
+        self.on_result = on_result
         self._jobs: queue.Queue[Job | None] = queue.Queue(maxsize=max_queue)
         self._thread = threading.Thread(target=self._run, name="foretell-engine", daemon=True)
         self._thread.start()
@@ -77,6 +80,8 @@ class EngineWorker:
                     on_tokens=lambda ids, text, job=job: job._emit("tokens", ids, text),
                     should_stop=job.cancelled.is_set,
                 )
+                if self.on_result is not None:
+                    self.on_result(result)
                 job._emit("done", result)
             except Exception as error:  # reported to the client, the worker lives on
                 job._emit("error", error)

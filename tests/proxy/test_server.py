@@ -288,7 +288,9 @@ def test_full_queue_answers_429_with_retry_after(server):
     headers = {"authorization": f"Bearer {API_KEY}"}
     with httpx.stream("POST", server["base"] + "/v1/completions", json=body, headers=headers,
                       timeout=60) as running:
-        next(line for line in running.iter_lines() if line.startswith("data:"))  # holds the engine
+        # Keep the line iterator referenced: closing it would close the stream (a disconnect).
+        lines = running.iter_lines()
+        next(line for line in lines if line.startswith("data:"))  # this one holds the engine
         with httpx.stream("POST", server["base"] + "/v1/completions", json=body, headers=headers,
                           timeout=60):  # waits in the queue (size 1)
             time.sleep(0.3)
@@ -349,3 +351,4 @@ def test_upstream_failures_map_to_openai_errors(server, model, status):
     assert response.status_code == status, response.text
     error = response.json()["error"]
     assert error["message"] and UPSTREAM_KEY not in response.text
+
