@@ -254,24 +254,26 @@ def create_app(settings: ServerSettings, load_local=None) -> FastAPI:
         )
         ids = ("chatcmpl-" if is_chat else "cmpl-") + uuid.uuid4().hex
         created = int(time.time())
-        jobs = []
-        try:
-            for _ in range(1 if parsed.stream else parsed.n):
-                jobs.append(local.worker.submit(gen_request))
-        except QueueFullError:
-            for job in jobs:  # all n choices or none
-                job.cancel()
-            raise
+        job = local.worker.submit(gen_request)  # QueueFullError: answered 429 by the caller
         started = time.perf_counter()
         if parsed.stream:
             include_usage = bool(parsed.stream_options and parsed.stream_options.include_usage)
             return StreamingResponse(
-                stream_events(request, local, jobs[0], ids, created, is_chat, include_usage, started),
+                stream_events(request, local, job, ids, created, is_chat, include_usage, started),
                 media_type="text/event-stream")
-        results = []
-        for job in jobs:
-            results.append(await collect(request, local, job, started))
+        results = [await collect(request, local, job, started)]
+        # Further choices one after another, so that n never takes more than one queue slot.
+        while len(results) < parsed.n and results[-1] is not None:
+            results.append(await collect(request, local, await submit_when_free(local, gen_request),
+                                         started))
         return completion_body(local, results, ids, created, is_chat)
+
+    async def submit_when_free(local: LocalModel, gen_request):
+        while True:
+            try:
+                return local.worker.submit(gen_request)
+            except QueueFullError:
+                await asyncio.sleep(0.05)
 
     async def wait_event(request: Request, job):
         """Next engine event; cancels the job when the client has gone away."""

@@ -64,6 +64,9 @@ upstream = "stub-nopred"
 upstream = "down"
 [models.up-slow]
 upstream = "slow"
+[models.tiny-with-fallback]
+local = true
+fallback = "stub"
 """)
     port = free_port()
     env = dict(os.environ, STUB_KEY=UPSTREAM_KEY, HF_HUB_OFFLINE="1")
@@ -198,6 +201,24 @@ def test_sampling_works_and_seed_reproduces(client):
     assert first == second and first
 
 
+def test_n_choices(client):
+    response = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=8, temperature=0, n=2)
+    assert [c.index for c in response.choices] == [0, 1]
+    assert response.choices[0].text == response.choices[1].text  # greedy: the same text twice
+
+
+def test_chat_fallback_template_without_a_chat_template():
+    from foretell.proxy.openai_schema import ChatMessage
+    from foretell.proxy.server import _chat_prompt
+
+    class NoTemplate:
+        chat_template = None
+
+    messages = [ChatMessage(role="system", content="Be brief."),
+                ChatMessage(role="user", content=[{"type": "text", "text": "Hi"}])]
+    assert _chat_prompt(NoTemplate(), messages) == "System: Be brief.\nUser: Hi\nAssistant:"
+
+
 def test_unknown_fields_are_ignored(server):
     response = raw(server, "/v1/completions", {"model": MODEL, "prompt": "x", "max_tokens": 2,
                                                "temperature": 0, "frequency_penalty_v9": 1})
@@ -295,6 +316,11 @@ def test_full_queue_answers_429_with_retry_after(server):
                           timeout=60):  # waits in the queue (size 1)
             time.sleep(0.3)
             refused = raw(server, "/v1/completions", {"model": MODEL, "prompt": "x", "max_tokens": 2})
+            # A route with a fallback upstream is forwarded instead of refused.
+            diverted = raw(server, "/v1/completions",
+                           {"model": "tiny-with-fallback", "prompt": "x", "max_tokens": 2})
+    assert diverted.status_code == 200 and diverted.json()["choices"][0]["text"] == "Hello from upstream"
+    assert diverted.headers["x-foretell-upstream"] == "stub"
     assert refused.status_code == 429
     assert refused.headers["retry-after"]
     assert refused.json()["error"]["code"] == "queue_full"
