@@ -304,6 +304,19 @@ def test_disconnect_mid_stream_frees_the_engine(server, client):
         time.sleep(0.1)
 
 
+def test_disconnect_without_streaming_cancels_too(server, client):
+    cancelled_before = _metric(server, "foretell_request_success_total", finish_reason="cancelled")
+    body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 3000, "temperature": 0}
+    with pytest.raises(httpx.ReadTimeout):  # the client gives up and hangs up
+        httpx.post(server["base"] + "/v1/completions", json=body,
+                   headers={"authorization": f"Bearer {API_KEY}"}, timeout=1.5)
+    deadline = time.time() + 30
+    while _metric(server, "foretell_request_success_total", finish_reason="cancelled") <= cancelled_before:
+        assert time.time() < deadline, "the abandoned generation was never cancelled"
+        time.sleep(0.1)
+    assert client.completions.create(model=MODEL, prompt="x", max_tokens=3, temperature=0).choices
+
+
 def test_full_queue_answers_429_with_retry_after(server):
     body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 3000, "temperature": 0, "stream": True}
     headers = {"authorization": f"Bearer {API_KEY}"}
