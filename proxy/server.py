@@ -97,21 +97,7 @@ def create_app(settings: ServerSettings, load_local=None) -> FastAPI:
     async def _api_error(request: Request, error: APIError):
         return _error_response(error)
 
-    @app.middleware("http")
-    async def _guard(request: Request, call_next):
-        path = request.url.path
-        try:
-            if path.startswith("/v1/") and settings.api_keys:
-                _check_key(request.headers.get("authorization", ""), settings.api_keys)
-            length = request.headers.get("content-length")
-            if length is not None and length.isdigit() and int(length) > settings.max_body_bytes:
-                raise APIError(413, f"request body over {settings.max_body_bytes} bytes",
-                               code="body_too_large")
-            response = await call_next(request)
-        except APIError as error:
-            response = _error_response(error)
-        metrics.requests.labels(path if path in KNOWN_PATHS else "other", str(response.status_code)).inc()
-        return response
+    app.add_middleware(GuardMiddleware, settings=settings, metrics=metrics)
 
     async def read_body(request: Request) -> dict:
         raw = await request.body()
@@ -276,14 +262,18 @@ def create_app(settings: ServerSettings, load_local=None) -> FastAPI:
                 await asyncio.sleep(0.05)
 
     async def wait_event(request: Request, job):
-        """Next engine event; cancels the job when the client has gone away."""
+        """Next engine event; cancels the job when the client has gone away (checked at most
+        every 0.25 s, also while events keep coming)."""
         while True:
+            if time.monotonic() - job.checked_at > 0.25:
+                job.checked_at = time.monotonic()
+                if await request.is_disconnected():
+                    job.cancel()
+                    raise ClientGone
             try:
                 return await asyncio.wait_for(job.events.get(), timeout=0.25)
             except asyncio.TimeoutError:
-                if await request.is_disconnected():
-                    job.cancel()
-                    raise ClientGone from None
+                continue
 
     async def collect(request: Request, local: LocalModel, job, started: float):
         first = None
@@ -379,6 +369,42 @@ def create_app(settings: ServerSettings, load_local=None) -> FastAPI:
 
 
 KNOWN_PATHS = {"/health", "/metrics", "/v1/models", "/v1/completions", "/v1/chat/completions"}
+
+
+class GuardMiddleware:
+    """API keys on /v1/*, the body-size limit from Content-Length, and the request counter.
+
+    A plain ASGI middleware (not ``@app.middleware``), so that the endpoint's
+    ``request.is_disconnected()`` sees the client hang up and can cancel its generation.
+    """
+
+    def __init__(self, app, settings: ServerSettings, metrics: Metrics):
+        self.app, self.settings, self.metrics = app, settings, metrics
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        path = scope["path"]
+        status = {"code": 500}
+
+        async def send_and_note_status(message):
+            if message["type"] == "http.response.start":
+                status["code"] = message["status"]
+            await send(message)
+
+        headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
+        try:
+            if path.startswith("/v1/") and self.settings.api_keys:
+                _check_key(headers.get("authorization", ""), self.settings.api_keys)
+            length = headers.get("content-length", "")
+            if length.isdigit() and int(length) > self.settings.max_body_bytes:
+                raise APIError(413, f"request body over {self.settings.max_body_bytes} bytes",
+                               code="body_too_large")
+        except APIError as error:
+            await _error_response(error)(scope, receive, send_and_note_status)
+        else:
+            await self.app(scope, receive, send_and_note_status)
+        self.metrics.requests.labels(path if path in KNOWN_PATHS else "other", str(status["code"])).inc()
 
 
 class ClientGone(Exception):

@@ -27,6 +27,7 @@ class Job:
     loop: asyncio.AbstractEventLoop
     events: asyncio.Queue = field(default_factory=asyncio.Queue)
     cancelled: threading.Event = field(default_factory=threading.Event)
+    checked_at: float = 0.0  # when the server last asked whether the client is still there
 
     def cancel(self) -> None:
         self.cancelled.set()
