@@ -337,6 +337,11 @@ def test_full_queue_answers_429_with_retry_after(server):
     assert refused.status_code == 429
     assert refused.headers["retry-after"]
     assert refused.json()["error"]["code"] == "queue_full"
+    # Both streams are closed now: the queue must drain (the waiting job is dropped unstarted).
+    deadline = time.time() + 30
+    while _metric(server, "foretell_num_requests_waiting") > 0:
+        assert time.time() < deadline, "the abandoned queued request was never dropped"
+        time.sleep(0.1)
 
 
 def test_metrics_expose_speculation_counters(server, client):
