@@ -82,13 +82,12 @@ class GenerationStats:
     def acceptance_rate(self) -> float:
         return self.accepted_tokens / self.drafted_tokens if self.drafted_tokens else 0.0
 
-    def count_positions(self, drafted: int, accepted: int, last: int = 128) -> None:
+    def count_positions(self, drafted: int, accepted: int) -> None:
         for counts, n in ((self.drafted_by_position, drafted), (self.accepted_by_position, accepted)):
+            if n > len(counts):
+                counts.extend([0] * (n - len(counts)))
             for position in range(n):
-                index = min(position, last - 1)
-                if index >= len(counts):
-                    counts.extend([0] * (index + 1 - len(counts)))
-                counts[index] += 1
+                counts[position] += 1
 
     def as_dict(self) -> dict:
         return {

@@ -60,10 +60,11 @@ class Metrics:
             self.drafts.labels(model, name).inc(source.rounds)
             self.draft_tokens.labels(model, name).inc(source.drafted)
             self.accepted_tokens.labels(model, name).inc(source.accepted)
-        for position, count in enumerate(stats.drafted_by_position):
-            self.drafted_per_position.labels(model, str(position)).inc(count)
-        for position, count in enumerate(stats.accepted_by_position):
-            self.accepted_per_position.labels(model, str(position)).inc(count)
+        for counter, counts in ((self.drafted_per_position, stats.drafted_by_position),
+                                (self.accepted_per_position, stats.accepted_by_position)):
+            for position, count in enumerate(counts):
+                label = str(min(position, MAX_TRACKED_POSITION - 1))  # a bounded label set
+                counter.labels(model, label).inc(count)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -20,6 +20,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import ValidationError
 from starlette.background import BackgroundTask
 
+from foretell.proxy.engine import GenerationRequest
 from foretell.proxy.metrics import Metrics
 from foretell.proxy.openai_schema import (
     APIError,
@@ -52,8 +53,8 @@ class ServerSettings:
 class LocalModel:
     """The engine, its worker and its names, once loaded."""
 
-    def __init__(self, loaded, engine, worker, served_name: str):
-        self.loaded, self.engine, self.worker, self.name = loaded, engine, worker, served_name
+    def __init__(self, loaded, worker, served_name: str):
+        self.loaded, self.worker, self.name = loaded, worker, served_name
         self.tokenizer = loaded.tokenizer
         self.context = getattr(loaded.model.config, "max_position_embeddings", None) or 8192
 
@@ -89,7 +90,6 @@ def create_app(settings: ServerSettings, load_local=None) -> FastAPI:
         await forwarder.close()
 
     app = FastAPI(title="foretell", docs_url=None, redoc_url=None, openapi_url=None, lifespan=lifespan)
-    app.state.metrics, app.state.local = metrics, state
 
     # ---- errors and auth ---------------------------------------------------------------
 
@@ -228,14 +228,12 @@ def create_app(settings: ServerSettings, load_local=None) -> FastAPI:
                            param="prediction", code="prediction_too_large")
         if parsed.stream and parsed.n > 1:
             raise APIError(400, "n > 1 is not supported with stream", param="n")
-        from foretell.proxy.engine import GenerationRequest
-
         speculation = parsed.speculation
         gen_request = GenerationRequest(
             prompt_ids=prompt_ids, max_tokens=requested, prediction=prediction,
             prompt_lookup=speculation.prompt_lookup if speculation else None,
             stop=parsed.stop_strings(),
-            max_draft=(speculation.max_draft if speculation and speculation.max_draft else 128),
+            max_draft=(speculation and speculation.max_draft) or GenerationRequest.max_draft,
             temperature=parsed.temperature or 0.0, top_p=parsed.top_p or 1.0, seed=parsed.seed,
         )
         ids = ("chatcmpl-" if is_chat else "cmpl-") + uuid.uuid4().hex
@@ -483,6 +481,6 @@ def _default_loader(settings: ServerSettings):
         def record(result) -> None:
             metrics.record_generation(name, result.stats, result.finish_reason)
 
-        return LocalModel(loaded, engine, EngineWorker(engine, settings.max_queue, on_result=record), name)
+        return LocalModel(loaded, EngineWorker(engine, settings.max_queue, on_result=record), name)
 
     return load

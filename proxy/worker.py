@@ -47,7 +47,6 @@ class EngineWorker:
         self._jobs: queue.Queue[Job | None] = queue.Queue(maxsize=max_queue)
         self._thread = threading.Thread(target=self._run, name="foretell-engine", daemon=True)
         self._thread.start()
-        self.busy = False
 
     @property
     def queued(self) -> int:
@@ -74,7 +73,6 @@ class EngineWorker:
                 return
             if job.cancelled.is_set():
                 continue
-            self.busy = True
             try:
                 result = self.engine.generate(
                     job.request,
@@ -86,5 +84,3 @@ class EngineWorker:
                 job._emit("done", result)
             except Exception as error:  # reported to the client, the worker lives on
                 job._emit("error", error)
-            finally:
-                self.busy = False
