@@ -385,9 +385,15 @@ class GuardMiddleware:
         path = scope["path"]
         status = {"code": 500}
 
+        # Every response names its request (as OpenAI's x-request-id), so that clients can
+        # quote it in errors and logs; a caller's own id is echoed back.
+        request_id = _incoming_request_id(scope) or "req-" + uuid.uuid4().hex
+
         async def send_and_note_status(message):
             if message["type"] == "http.response.start":
                 status["code"] = message["status"]
+                message = {**message, "headers": [*message.get("headers", []),
+                                                  (b"x-request-id", request_id.encode())]}
             await send(message)
 
         headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
@@ -403,6 +409,16 @@ class GuardMiddleware:
         else:
             await self.app(scope, receive, send_and_note_status)
         self.metrics.requests.labels(path if path in KNOWN_PATHS else "other", str(status["code"])).inc()
+
+
+def _incoming_request_id(scope) -> str | None:
+    for key, value in scope["headers"]:
+        if key.lower() == b"x-request-id":
+            text = value.decode("latin-1")
+            # Echo only a sane id: printable ASCII, bounded length.
+            if 0 < len(text) <= 128 and text.isprintable() and text.isascii():
+                return text
+    return None
 
 
 class ClientGone(Exception):

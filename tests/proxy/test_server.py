@@ -278,6 +278,15 @@ def test_health_needs_no_key_but_v1_does(server):
     assert raw(server, "/v1/models", method="GET", key=None).status_code == 401
 
 
+def test_every_response_carries_a_request_id(server):
+    ok = httpx.get(server["base"] + "/health")
+    refused = raw(server, "/v1/models", method="GET", key=None)
+    ids = {ok.headers["x-request-id"], refused.headers["x-request-id"]}
+    assert len(ids) == 2 and all(i.startswith("req-") for i in ids)
+    echoed = httpx.get(server["base"] + "/health", headers={"x-request-id": "trace-42"})
+    assert echoed.headers["x-request-id"] == "trace-42"
+
+
 # ---- load: disconnects and the bounded queue --------------------------------------------------
 
 def _metric(server, name: str, **labels) -> float:
