@@ -20,6 +20,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import ValidationError
 from starlette.background import BackgroundTask
 
+from foretell import __version__
 from foretell.proxy.engine import GenerationRequest
 from foretell.proxy.metrics import Metrics
 from foretell.proxy.openai_schema import (
@@ -366,6 +367,7 @@ def create_app(settings: ServerSettings, load_local=None) -> FastAPI:
     return app
 
 
+FORETELL_VERSION = __version__.encode()
 KNOWN_PATHS = {"/health", "/metrics", "/v1/models", "/v1/completions", "/v1/chat/completions"}
 
 
@@ -386,14 +388,16 @@ class GuardMiddleware:
         status = {"code": 500}
 
         # Every response names its request (as OpenAI's x-request-id), so that clients can
-        # quote it in errors and logs; a caller's own id is echoed back.
+        # quote it in errors and logs; a caller's own id is echoed back. x-foretell-version
+        # tells clients (the SDK) that this server understands the ``speculation`` extension.
         request_id = _incoming_request_id(scope) or "req-" + uuid.uuid4().hex
 
         async def send_and_note_status(message):
             if message["type"] == "http.response.start":
                 status["code"] = message["status"]
                 message = {**message, "headers": [*message.get("headers", []),
-                                                  (b"x-request-id", request_id.encode())]}
+                                                  (b"x-request-id", request_id.encode()),
+                                                  (b"x-foretell-version", FORETELL_VERSION)]}
             await send(message)
 
         headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}

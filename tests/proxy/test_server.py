@@ -283,6 +283,7 @@ def test_every_response_carries_a_request_id(server):
     refused = raw(server, "/v1/models", method="GET", key=None)
     ids = {ok.headers["x-request-id"], refused.headers["x-request-id"]}
     assert len(ids) == 2 and all(i.startswith("req-") for i in ids)
+    assert ok.headers["x-foretell-version"] == refused.headers["x-foretell-version"] != ""
     echoed = httpx.get(server["base"] + "/health", headers={"x-request-id": "trace-42"})
     assert echoed.headers["x-request-id"] == "trace-42"
 
