@@ -1,0 +1,221 @@
+"""HTTP requests with retries, shared by the sync and the async client.
+
+The policy and everything that decides (headers, which failures retry, how long to wait, which
+error to raise, whether the server is foretell) live in ``_Transport``; ``SyncTransport`` and
+``AsyncTransport`` only add the sending and the sleeping.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import email.utils
+import json
+import random as _random
+import time
+from dataclasses import dataclass, field
+from typing import Any, Awaitable, Callable
+
+import httpx
+
+from foretell import __version__
+from foretell.sdk._config import ClientConfig
+from foretell.sdk.errors import (
+    APIConnectionError,
+    APIStatusError,
+    APITimeoutError,
+    _redact,
+    error_from_body,
+)
+
+FORETELL_HEADER = "x-foretell-version"
+DEFAULT_TIMEOUT = httpx.Timeout(600.0, connect=10.0)  # generations can take minutes on a CPU
+
+
+@dataclass
+class RetryPolicy:
+    """Retries on connection errors and 408, 409, 429, 5xx answers, never once a stream has
+    delivered its first chunk. Waits ``Retry-After`` (seconds or an HTTP date, capped at
+    ``max_retry_after``) when the server sends it, else full jitter: a uniform draw in
+    ``[0, min(max_delay, base_delay * 2**attempt)]``."""
+
+    max_retries: int = 2
+    base_delay: float = 0.5
+    max_delay: float = 8.0
+    max_retry_after: float = 60.0
+    random: Callable[[], float] = field(default=_random.random, repr=False)
+
+    def delay(self, attempt: int, retry_after: float | None = None) -> float:
+        if retry_after is not None:
+            return min(max(retry_after, 0.0), self.max_retry_after)
+        return min(self.max_delay, self.base_delay * 2 ** attempt) * self.random()
+
+
+def retryable_status(status: int) -> bool:
+    return status in (408, 409, 429) or status >= 500
+
+
+def parse_retry_after(headers: httpx.Headers, now: float | None = None) -> float | None:
+    """Seconds to wait from ``retry-after-ms`` or ``Retry-After`` (seconds or an HTTP date)."""
+    millis = headers.get("retry-after-ms")
+    if millis:
+        try:
+            return float(millis) / 1000.0
+        except ValueError:
+            pass
+    value = headers.get("retry-after")
+    if not value:
+        return None
+    try:
+        return float(value)
+    except ValueError:
+        pass
+    try:
+        when = email.utils.parsedate_to_datetime(value)
+    except (TypeError, ValueError):
+        return None
+    if when is None:
+        return None
+    return max(0.0, when.timestamp() - (time.time() if now is None else now))
+
+
+class _Transport:
+    def __init__(self, config: ClientConfig, policy: RetryPolicy, timeout: Any,
+                 default_headers: dict[str, str] | None):
+        self.config, self.policy, self.timeout = config, policy, timeout
+        self.default_headers = dict(default_headers or {})
+        self.kind: str | None = config.known_kind()  # 'foretell' / 'openai-compatible' once known
+
+    @property
+    def secrets(self) -> tuple[str, ...]:
+        return (self.config.api_key,) if self.config.api_key else ()
+
+    def build(self, http, method: str, path: str, body: dict | None, stream: bool,
+              extra_headers: dict | None, timeout: Any) -> httpx.Request:
+        headers = {"user-agent": f"foretell-sdk/{__version__}",
+                   "accept": "text/event-stream" if stream else "application/json"}
+        if self.config.api_key:
+            headers["authorization"] = f"Bearer {self.config.api_key}"
+        headers.update(self.default_headers)
+        headers.update(extra_headers or {})
+        return http.build_request(method, self.config.url(path), json=body, headers=headers,
+                                  timeout=self.timeout if timeout is None else timeout)
+
+    def learn_kind(self, response: httpx.Response) -> None:
+        # A 5xx may come from a gateway in front of the server: it proves nothing.
+        if FORETELL_HEADER in response.headers:
+            self.kind = "foretell"
+        elif response.status_code < 500 and self.config.server == "auto":
+            self.kind = "openai-compatible"
+
+    def connection_error(self, error: Exception, request: httpx.Request) -> APIConnectionError:
+        cls = APITimeoutError if isinstance(error, httpx.TimeoutException) else APIConnectionError
+        what = "timed out" if cls is APITimeoutError else "failed"
+        detail = _redact(str(error) or type(error).__name__, self.secrets)
+        url = str(request.url)
+        return cls(f"request to {url} {what}: {detail}", method=request.method, url=url)
+
+    def status_error(self, response: httpx.Response) -> APIStatusError:
+        text = response.text
+        try:
+            body: Any = json.loads(text)
+        except ValueError:
+            body = None
+        return error_from_body(response.status_code, body, request_id=response.headers.get("x-request-id"),
+                               secrets=self.secrets, fallback_text=text)
+
+    def stream_error(self, payload: Any, response: httpx.Response) -> APIStatusError:
+        return error_from_body(None, payload, request_id=response.headers.get("x-request-id"),
+                               secrets=self.secrets, during_stream=True)
+
+    def retry_delay(self, attempt: int, error: Exception, response: httpx.Response | None) -> float | None:
+        """Seconds to wait before the next try, or None to give up and raise ``error``."""
+        if attempt >= self.policy.max_retries:
+            return None
+        if isinstance(error, APIConnectionError):
+            return self.policy.delay(attempt)
+        if isinstance(error, APIStatusError) and retryable_status(error.status_code):
+            return self.policy.delay(attempt, parse_retry_after(response.headers) if response else None)
+        return None
+
+
+class SyncTransport(_Transport):
+    def __init__(self, config, policy, timeout, default_headers, http: httpx.Client,
+                 sleep: Callable[[float], None] | None = None):
+        super().__init__(config, policy, timeout, default_headers)
+        self.http = http
+        self.sleep = sleep or time.sleep
+
+    def send(self, method: str, path: str, body: dict | None = None, *, stream: bool = False,
+             extra_headers: dict | None = None, timeout: Any = None,
+             raise_status: bool = True) -> httpx.Response:
+        """The response, read unless ``stream`` (a streaming response is open: the caller
+        closes it). Errors are raised once the retries are spent."""
+        request = self.build(self.http, method, path, body, stream, extra_headers, timeout)
+        attempt = 0
+        while True:
+            response = None
+            try:
+                response = self.http.send(request, stream=True)
+                self.learn_kind(response)
+                if stream and (response.status_code < 400 or not raise_status):
+                    return response
+                try:
+                    response.read()
+                finally:
+                    response.close()
+                if response.status_code < 400 or not raise_status:
+                    return response
+                error: Exception = self.status_error(response)
+            except httpx.TransportError as exc:
+                error = self.connection_error(exc, request)
+            delay = self.retry_delay(attempt, error, response)
+            if delay is None:
+                raise error
+            self.sleep(delay)
+            attempt += 1
+
+    def server_kind(self) -> str:
+        """'foretell' or 'openai-compatible'; asks the server once (GET /models) if unknown."""
+        if self.kind is None:
+            self.send("GET", "/models", raise_status=False)
+        return self.kind or "openai-compatible"
+
+
+class AsyncTransport(_Transport):
+    def __init__(self, config, policy, timeout, default_headers, http: httpx.AsyncClient,
+                 sleep: Callable[[float], Awaitable[None]] | None = None):
+        super().__init__(config, policy, timeout, default_headers)
+        self.http = http
+        self.sleep = sleep or asyncio.sleep
+
+    async def send(self, method: str, path: str, body: dict | None = None, *, stream: bool = False,
+                   extra_headers: dict | None = None, timeout: Any = None,
+                   raise_status: bool = True) -> httpx.Response:
+        request = self.build(self.http, method, path, body, stream, extra_headers, timeout)
+        attempt = 0
+        while True:
+            response = None
+            try:
+                response = await self.http.send(request, stream=True)
+                self.learn_kind(response)
+                if stream and (response.status_code < 400 or not raise_status):
+                    return response
+                try:
+                    await response.aread()
+                finally:
+                    await response.aclose()
+                if response.status_code < 400 or not raise_status:
+                    return response
+                error: Exception = self.status_error(response)
+            except httpx.TransportError as exc:
+                error = self.connection_error(exc, request)
+            delay = self.retry_delay(attempt, error, response)
+            if delay is None:
+                raise error
+            await self.sleep(delay)
+            attempt += 1
+
+    async def server_kind(self) -> str:
+        if self.kind is None:
+            await self.send("GET", "/models", raise_status=False)
+        return self.kind or "openai-compatible"

@@ -1,0 +1,221 @@
+"""``client.chat.completions``, ``client.completions`` and ``client.models``.
+
+``create()`` takes OpenAI's parameters by name (checked against the lists below, so a typo is a
+``TypeError`` rather than a silently ignored field), plus:
+
+- ``prediction=``: a string, a list of text parts, an ``os.PathLike`` (the file's text) or a
+  ready ``{"type": "content", ...}`` dict;
+- ``prompt_lookup=`` / ``max_draft=``: sent as foretell's ``speculation`` extension to foretell
+  servers; for other servers they are dropped, with one ``ForetellWarning`` per client when they
+  asked for something (prompt lookup only changes speed, never the text);
+- ``extra_body=`` / ``extra_headers=`` / ``timeout=``: passed through as in the openai package.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from foretell.sdk.errors import ForetellError
+from foretell.sdk.estimates import prediction_issues
+from foretell.sdk.prediction import PredictionInput, normalize_prediction
+from foretell.sdk.streaming import AsyncStream, Stream
+from foretell.sdk.types import ChatCompletion, ChatCompletionChunk, Completion, ModelList
+
+if TYPE_CHECKING:
+    from foretell.sdk.client import AsyncClient, Client
+
+CHAT_PARAMS = frozenset({
+    "audio", "frequency_penalty", "function_call", "functions", "logit_bias", "logprobs",
+    "max_completion_tokens", "max_tokens", "metadata", "modalities", "n", "parallel_tool_calls",
+    "presence_penalty", "prompt_cache_key", "reasoning_effort", "response_format",
+    "safety_identifier", "seed", "service_tier", "stop", "store", "stream_options", "temperature",
+    "tool_choice", "tools", "top_logprobs", "top_p", "user", "verbosity", "web_search_options",
+})
+COMPLETION_PARAMS = frozenset({
+    "best_of", "echo", "frequency_penalty", "logit_bias", "logprobs", "max_tokens", "n",
+    "presence_penalty", "seed", "stop", "stream_options", "suffix", "temperature", "top_p", "user",
+})
+
+
+@dataclass
+class PreparedCall:
+    """One request, before the server kind decides what its body finally holds."""
+
+    path: str
+    body: dict
+    stream: bool
+    response_type: type
+    chunk_type: type
+    extra_headers: dict | None = None
+    timeout: Any = None
+    speculation: dict | None = None  # foretell's extension, sent to foretell servers only
+    issues: list[str] = field(default_factory=list)  # OpenAI prediction limits this call hits
+
+    @property
+    def needs_server_kind(self) -> bool:
+        return self.speculation is not None or bool(self.issues)
+
+    def finalize(self, kind: str | None, warn_once) -> None:
+        is_foretell = kind == "foretell"
+        if self.speculation is not None:
+            if is_foretell:
+                self.body["speculation"] = {**self.speculation, **self.body.get("speculation", {})}
+            elif self.speculation.get("prompt_lookup") or "max_draft" in self.speculation:
+                warn_once("prompt_lookup / max_draft were not sent: the server is not foretell "
+                          "(no x-foretell-version header); the request goes ahead without them")
+        if not is_foretell:
+            for issue in self.issues:
+                warn_once(f"prediction: {issue}")
+
+
+def prepare_call(endpoint: str, required: dict, *, prediction: PredictionInput, prompt_lookup: bool | None,
+                 max_draft: int | None, stream: bool, params: dict, extra_body: dict | None,
+                 extra_headers: dict | None, timeout: Any, openai_target: bool) -> PreparedCall:
+    allowed = CHAT_PARAMS if endpoint == "chat" else COMPLETION_PARAMS
+    unknown = sorted(set(params) - allowed)
+    if unknown:
+        raise TypeError(f"unknown parameter(s) {', '.join(unknown)}; pass fields the SDK does not "
+                        "know through extra_body={...}")
+    body = {**required, **{k: v for k, v in params.items() if v is not None}}
+    normalized = normalize_prediction(prediction)
+    issues = []
+    if normalized is not None:
+        body["prediction"] = normalized
+        issues = prediction_issues(str(required["model"]), body, endpoint=endpoint,
+                                   openai_target=openai_target)
+    if stream:
+        body["stream"] = True
+    speculation = None
+    if prompt_lookup is not None or max_draft is not None:
+        speculation = {}
+        if prompt_lookup is not None:
+            speculation["prompt_lookup"] = bool(prompt_lookup)
+        if max_draft is not None:
+            speculation["max_draft"] = int(max_draft)
+    body.update(extra_body or {})
+    if endpoint == "chat":
+        path, response_type, chunk_type = "/chat/completions", ChatCompletion, ChatCompletionChunk
+    else:
+        path, response_type, chunk_type = "/completions", Completion, Completion
+    return PreparedCall(path, body, stream, response_type, chunk_type, extra_headers, timeout,
+                        speculation, issues)
+
+
+def _parse(call_type: type, response) -> Any:
+    try:
+        data = response.json()
+    except ValueError:
+        raise ForetellError(f"the server answered {response.status_code} with a body that is not "
+                            f"JSON: {response.text[:200]!r}") from None
+    parsed = call_type.from_dict(data)
+    parsed.request_id = response.headers.get("x-request-id")
+    return parsed
+
+
+class _Resource:
+    def __init__(self, client):
+        self._client = client
+
+    def _prepare(self, endpoint: str, required: dict, **kwargs) -> PreparedCall:
+        return prepare_call(endpoint, required, openai_target=self._client._config.is_openai, **kwargs)
+
+
+class _SyncResource(_Resource):
+    _client: "Client"
+
+    def _run(self, call: PreparedCall):
+        transport = self._client._transport
+        kind = transport.server_kind() if call.needs_server_kind else transport.kind
+        call.finalize(kind, self._client._warn_once)
+        response = transport.send("POST", call.path, call.body, stream=call.stream,
+                                  extra_headers=call.extra_headers, timeout=call.timeout)
+        if call.stream:
+            return Stream(response, call.chunk_type, transport)
+        return _parse(call.response_type, response)
+
+
+class _AsyncResource(_Resource):
+    _client: "AsyncClient"
+
+    async def _run(self, call: PreparedCall):
+        transport = self._client._transport
+        kind = (await transport.server_kind()) if call.needs_server_kind else transport.kind
+        call.finalize(kind, self._client._warn_once)
+        response = await transport.send("POST", call.path, call.body, stream=call.stream,
+                                        extra_headers=call.extra_headers, timeout=call.timeout)
+        if call.stream:
+            return AsyncStream(response, call.chunk_type, transport)
+        return _parse(call.response_type, response)
+
+
+class ChatCompletions(_SyncResource):
+    def create(self, *, model: str, messages: list[dict], prediction: PredictionInput = None,
+               prompt_lookup: bool | None = None, max_draft: int | None = None, stream: bool = False,
+               extra_body: dict | None = None, extra_headers: dict | None = None, timeout: Any = None,
+               **params: Any) -> ChatCompletion | Stream[ChatCompletionChunk]:
+        """POST /chat/completions. ``params``: OpenAI's chat parameters (``CHAT_PARAMS``).
+        With ``stream=True`` returns a ``Stream`` of ``ChatCompletionChunk``."""
+        return self._run(self._prepare(
+            "chat", {"model": model, "messages": messages}, prediction=prediction,
+            prompt_lookup=prompt_lookup, max_draft=max_draft, stream=stream, params=params,
+            extra_body=extra_body, extra_headers=extra_headers, timeout=timeout))
+
+
+class Completions(_SyncResource):
+    def create(self, *, model: str, prompt: str | list[str], prediction: PredictionInput = None,
+               prompt_lookup: bool | None = None, max_draft: int | None = None, stream: bool = False,
+               extra_body: dict | None = None, extra_headers: dict | None = None, timeout: Any = None,
+               **params: Any) -> Completion | Stream[Completion]:
+        """POST /completions. ``params``: OpenAI's completion parameters (``COMPLETION_PARAMS``).
+        With ``stream=True`` returns a ``Stream`` of ``Completion`` chunks."""
+        return self._run(self._prepare(
+            "completions", {"model": model, "prompt": prompt}, prediction=prediction,
+            prompt_lookup=prompt_lookup, max_draft=max_draft, stream=stream, params=params,
+            extra_body=extra_body, extra_headers=extra_headers, timeout=timeout))
+
+
+class Models(_SyncResource):
+    def list(self) -> ModelList:
+        return _parse(ModelList, self._client._transport.send("GET", "/models"))
+
+
+class Chat:
+    def __init__(self, client):
+        self.completions = ChatCompletions(client)
+
+
+class AsyncChatCompletions(_AsyncResource):
+    async def create(self, *, model: str, messages: list[dict], prediction: PredictionInput = None,
+                     prompt_lookup: bool | None = None, max_draft: int | None = None,
+                     stream: bool = False, extra_body: dict | None = None,
+                     extra_headers: dict | None = None, timeout: Any = None,
+                     **params: Any) -> ChatCompletion | AsyncStream[ChatCompletionChunk]:
+        """As ``ChatCompletions.create``; a stream is an ``AsyncStream``."""
+        return await self._run(self._prepare(
+            "chat", {"model": model, "messages": messages}, prediction=prediction,
+            prompt_lookup=prompt_lookup, max_draft=max_draft, stream=stream, params=params,
+            extra_body=extra_body, extra_headers=extra_headers, timeout=timeout))
+
+
+class AsyncCompletions(_AsyncResource):
+    async def create(self, *, model: str, prompt: str | list[str], prediction: PredictionInput = None,
+                     prompt_lookup: bool | None = None, max_draft: int | None = None,
+                     stream: bool = False, extra_body: dict | None = None,
+                     extra_headers: dict | None = None, timeout: Any = None,
+                     **params: Any) -> Completion | AsyncStream[Completion]:
+        """As ``Completions.create``; a stream is an ``AsyncStream``."""
+        return await self._run(self._prepare(
+            "completions", {"model": model, "prompt": prompt}, prediction=prediction,
+            prompt_lookup=prompt_lookup, max_draft=max_draft, stream=stream, params=params,
+            extra_body=extra_body, extra_headers=extra_headers, timeout=timeout))
+
+
+class AsyncModels(_AsyncResource):
+    async def list(self) -> ModelList:
+        return _parse(ModelList, await self._client._transport.send("GET", "/models"))
+
+
+class AsyncChat:
+    def __init__(self, client):
+        self.completions = AsyncChatCompletions(client)
