@@ -1,12 +1,17 @@
 """The speculative generation engine: propose -> verify -> accept -> roll back.
 
-One request, greedy decoding. The KV cache always holds every token except the newest one (the
+One request at a time. The KV cache always holds every token except the newest one (the
 *pending* token). A round feeds ``[pending] + draft`` through the target in one pass, so the
-logits at position j are the target's choice after the j-th draft token; the verify kernel keeps
-the longest prefix of the draft that equals those choices and appends the target's own token at
-the first mismatch (*recovered*) or after a fully accepted draft (*bonus*). The cache is then
-cropped back to the accepted tokens. Every round yields at least one token, and the tokens are
-exactly those of plain greedy decoding.
+logits at position j are the target's distribution after the j-th draft token.
+
+- Greedy (temperature 0): the verify kernel keeps the longest prefix of the draft that equals the
+  target's choices and appends the target's own token at the first mismatch (*recovered*) or
+  after a fully accepted draft (*bonus*); the tokens are exactly those of plain greedy decoding.
+- Sampling (temperature > 0): the rejection-sampling kernel accepts each draft token x with
+  probability p(x) and draws the recovered token from p without x (or the bonus token from p), so
+  the tokens follow exactly the target's sampling distribution (see ``sampling.py``).
+
+The cache is then cropped back to the accepted tokens. Every round yields at least one token.
 """
 
 from __future__ import annotations
@@ -27,6 +32,7 @@ from foretell.proxy.draft_length import (
 )
 from foretell.proxy.draft_sources import PredictionSource, PromptLookupSource
 from foretell.proxy.prediction_usage import prediction_token_usage
+from foretell.proxy.sampling import SpeculativeSampler
 from foretell.proxy.stopping import decide_stop, stable_text
 
 
@@ -40,11 +46,14 @@ class GenerationRequest:
     stop: tuple[str, ...] = ()
     # Upper bound on tokens drafted per round; the chooser usually picks fewer.
     max_draft: int = 128
-    # Sampling (temperature > 0) runs without speculation for now: exact speculative sampling
-    # is a later step. 0 means greedy.
+    # 0 means greedy; > 0 samples (temperature, then top_k, then top_p), speculation included.
     temperature: float = 0.0
     top_p: float = 1.0
+    top_k: int | None = None
     seed: int | None = None
+    # Log-probabilities of the emitted tokens (the model's raw distribution, before temperature
+    # and filtering) with this many alternatives each; None: not computed.
+    logprobs: int | None = None
 
 
 @dataclass
@@ -107,6 +116,13 @@ class GenerationStats:
 
 
 @dataclass
+class TokenLogprob:
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]]  # the most likely tokens at this position, best first
+
+
+@dataclass
 class GenerationResult:
     token_ids: list[int]
     text: str
@@ -114,6 +130,9 @@ class GenerationResult:
     stats: GenerationStats
     # Per output token: the draft source it was accepted from, or None for the target's own.
     token_origins: list[str | None] = field(default_factory=list)
+    # Per output token when the request asked for logprobs, else None.
+    logprobs: list[TokenLogprob] | None = None
+    seed: int | None = None  # the seed a sampled request ran with (its own or a fresh one)
 
 
 def new_cache(model) -> DynamicCache:
@@ -140,38 +159,40 @@ def prefill(model, prompt_ids: list[int]) -> DynamicCache:
     return cache
 
 
-def verify_draft(model, cache: DynamicCache, pending: int, draft: list[int]) -> tuple[int, list[int]]:
-    """One target pass over ``[pending] + draft``; keep what greedy decoding would keep.
+def verify_draft(model, cache: DynamicCache, pending: int, draft: list[int],
+                 sampler: SpeculativeSampler | None = None) -> tuple[int, list[int], torch.Tensor]:
+    """One target pass over ``[pending] + draft``; keep what greedy decoding (no sampler) or
+    sampling (with one) would keep.
 
-    Returns (accepted draft tokens, new tokens = accepted drafts + the target's own token).
-    On return the cache holds the pending token and the accepted drafts, nothing rejected.
+    Returns (accepted draft tokens, new tokens = accepted drafts + the target's own token, the
+    logits [accepted + 1, V] that produced the new tokens). On return the cache holds the pending
+    token and the accepted drafts, nothing rejected.
     """
     device = next(model.parameters()).device
     input_ids = torch.tensor([[pending] + draft], device=device)  # [1, k+1]
     logits = model(input_ids=input_ids, cache=cache, use_cache=True).logits  # [1, k+1, V]
-    draft_tokens = torch.tensor(draft, dtype=torch.long, device=device).view(1, len(draft))  # [1, k]
-    num_draft = torch.tensor([len(draft)], dtype=torch.long, device=device)  # [1]
-    num_accepted, output_tokens = greedy_verify(logits, draft_tokens, num_draft)
-    accepted = int(num_accepted[0])
+    if sampler is None:
+        draft_tokens = torch.tensor(draft, dtype=torch.long, device=device).view(1, len(draft))  # [1, k]
+        num_draft = torch.tensor([len(draft)], dtype=torch.long, device=device)  # [1]
+        num_accepted, output_tokens = greedy_verify(logits, draft_tokens, num_draft)
+        accepted = int(num_accepted[0])
+        new_tokens = output_tokens[0, : accepted + 1].tolist()
+    else:
+        accepted, new_tokens = sampler.verify(logits[0], draft)
     cache.crop(accepted - len(draft))  # roll back the rejected positions (0: just trim windows)
-    return accepted, output_tokens[0, : accepted + 1].tolist()
+    return accepted, new_tokens, logits[0, : accepted + 1]
 
 
-def sample_next(model, cache: DynamicCache, pending: int, temperature: float, top_p: float,
-                generator: torch.Generator) -> int:
-    """One plain sampling step: temperature, then nucleus (top-p) filtering, then a draw."""
-    device = next(model.parameters()).device
-    logits = model(input_ids=torch.tensor([[pending]], device=device), cache=cache,
-                   use_cache=True).logits[0, -1].float()  # [V]
-    cache.crop(0)
-    probs = torch.softmax(logits / temperature, dim=-1)
-    if top_p < 1.0:
-        sorted_probs, order = torch.sort(probs, descending=True)
-        # Keep the smallest prefix whose mass reaches top_p (always at least one token).
-        outside = torch.cumsum(sorted_probs, dim=-1) - sorted_probs >= top_p
-        sorted_probs[outside] = 0.0
-        probs = torch.zeros_like(probs).scatter_(0, order, sorted_probs)
-    return int(torch.multinomial(probs, 1, generator=generator))
+def token_logprobs(logits: torch.Tensor, tokens: list[int], top: int) -> list[TokenLogprob]:
+    """Log-probabilities of ``tokens`` under the raw distributions ``logits`` [len(tokens), V]."""
+    logprobs = torch.log_softmax(logits[: len(tokens)].float(), dim=-1)  # [n, V]
+    chosen = logprobs.gather(1, torch.tensor(tokens, device=logits.device).view(-1, 1))[:, 0]  # [n]
+    best = torch.topk(logprobs, min(top, logprobs.shape[-1]), dim=-1) if top > 0 else None
+    result = []
+    for i, token in enumerate(tokens):
+        alternatives = list(zip(best.indices[i].tolist(), best.values[i].tolist())) if best is not None else []
+        result.append(TokenLogprob(token, float(chosen[i]), alternatives))
+    return result
 
 
 class SpeculativeEngine:
@@ -216,11 +237,12 @@ class SpeculativeEngine:
     def generate(
         self,
         request: GenerationRequest,
-        on_tokens: Callable[[list[int], str], None] | None = None,
+        on_tokens: Callable[[list[int], str, list[TokenLogprob] | None], None] | None = None,
         should_stop: Callable[[], bool] | None = None,
     ) -> GenerationResult:
-        """Generate greedily. ``on_tokens(new_ids, new_text)`` is called after every round with
-        the tokens just verified; ``should_stop()`` returning True cancels the request."""
+        """Generate. ``on_tokens(new_ids, new_text, new_logprobs)`` is called after every round
+        with the tokens just verified (``new_logprobs`` is None unless the request asked for
+        logprobs); ``should_stop()`` returning True cancels the request."""
         prompt = list(request.prompt_ids)
         if not prompt:
             raise ValueError("the prompt must hold at least one token")
@@ -235,17 +257,17 @@ class SpeculativeEngine:
                 )
             max_tokens = min(max_tokens, room)
 
-        sampling = request.temperature > 0
         sources = []
-        if request.prediction and not sampling:
+        if request.prediction:
             sources.append(PredictionSource(self.tokenizer, request.prediction))
         use_lookup = request.prompt_lookup if request.prompt_lookup is not None else bool(request.prediction)
-        if use_lookup and not sampling:
+        if use_lookup:
             sources.append(PromptLookupSource(prompt))
-        generator = None
-        if sampling:
-            generator = torch.Generator(device=self.device)
-            generator.manual_seed(request.seed if request.seed is not None else torch.seed())
+        sampler = None
+        if request.temperature > 0:
+            sampler = SpeculativeSampler(request.temperature, request.top_k, request.top_p,
+                                         request.seed, self.device)
+        logprobs = [] if request.logprobs is not None else None
         estimates = {s.name: AcceptanceEstimate() for s in sources}
         stats = GenerationStats(prompt_tokens=len(prompt))
         stats.per_source = {s.name: SourceStats() for s in sources}
@@ -272,11 +294,7 @@ class SpeculativeEngine:
             runs = {s.name: s.agreement_run() for s in sources}
             source_name, draft = self._choose_draft(proposals, estimates, runs)
 
-            if sampling:
-                accepted, new_tokens = 0, [sample_next(self.model, cache, pending, request.temperature,
-                                                       request.top_p, generator)]
-            else:
-                accepted, new_tokens = verify_draft(self.model, cache, pending, draft)
+            accepted, new_tokens, rows = verify_draft(self.model, cache, pending, draft, sampler)
             stats.target_passes += 1
             decision = decide_stop(
                 new_tokens, output, len(text), self.decode,
@@ -295,6 +313,10 @@ class SpeculativeEngine:
                 stats.count_positions(len(draft), accepted)
             for name, proposal in proposals.items():
                 estimates[name].update(proposal, new_tokens)
+            round_logprobs = None
+            if logprobs is not None:
+                round_logprobs = token_logprobs(rows, new_tokens, request.logprobs)
+                logprobs.extend(round_logprobs)
             output.extend(new_tokens)
             origins.extend([source_name] * accepted + [None] * (len(new_tokens) - accepted))
             pending = new_tokens[-1]
@@ -307,7 +329,7 @@ class SpeculativeEngine:
             for source in sources:
                 source.observe(output, text)
             if on_tokens is not None:
-                on_tokens(new_tokens, delta)
+                on_tokens(new_tokens, delta, round_logprobs)
         if self.device.type == "cuda":
             torch.cuda.synchronize()
         stats.decode_seconds = time.perf_counter() - started
@@ -318,7 +340,8 @@ class SpeculativeEngine:
                 accepted, rejected = prediction_token_usage(source.text, source.token_starts, text)
                 stats.accepted_prediction_tokens, stats.rejected_prediction_tokens = accepted, rejected
         return GenerationResult(token_ids=output, text=text, finish_reason=finish_reason,
-                                stats=stats, token_origins=origins)
+                                stats=stats, token_origins=origins, logprobs=logprobs,
+                                seed=sampler.seed if sampler is not None else None)
 
     def _choose_draft(self, proposals: dict[str, list[int]], estimates: dict[str, AcceptanceEstimate],
                       runs: dict[str, float | None]):

@@ -2,7 +2,7 @@
 queue in front of it, and cancellation when the client goes away.
 
 The event loop never blocks on the model. A request is a ``Job``; its rounds reach the loop as
-events on an ``asyncio.Queue`` (``("tokens", ids, text)``, then ``("done", result)`` or
+events on an ``asyncio.Queue`` (``("tokens", ids, text, logprobs)``, then ``("done", result)`` or
 ``("error", exception)``). Cancelling a job (client disconnected) makes the engine stop after
 the round in progress, or skips it if it has not started.
 """
@@ -76,7 +76,7 @@ class EngineWorker:
             try:
                 result = self.engine.generate(
                     job.request,
-                    on_tokens=lambda ids, text, job=job: job._emit("tokens", ids, text),
+                    on_tokens=lambda ids, text, logprobs, job=job: job._emit("tokens", ids, text, logprobs),
                     should_stop=job.cancelled.is_set,
                 )
                 if self.on_result is not None:

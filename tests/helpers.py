@@ -84,3 +84,34 @@ def stop_string_cut(tokenizer, tokens: list[int], stop: str) -> tuple[list[int],
         if stop in text:
             return tokens[:count], text[: text.index(stop)]
     return None
+
+
+SMALL_ALPHABET = "abcdefghi"
+
+
+def build_small_vocab_model(seed: int = 0, logit_scale: float = 1.0):
+    """A tiny Gemma 3 over a 12-token character vocabulary (pad, eos, bos, 'a'..'i') with a real
+    fast tokenizer, so that exact sequence distributions can be enumerated and compared with
+    sampled ones. ``logit_scale`` sharpens the random model's distributions."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig, PreTrainedTokenizerFast
+
+    vocab = {"<pad>": 0, "<eos>": 1, "<bos>": 2}
+    vocab.update({char: 3 + i for i, char in enumerate(SMALL_ALPHABET)})
+    core = Tokenizer(models.WordLevel(vocab, unk_token="<pad>"))
+    core.pre_tokenizer = pre_tokenizers.Split("", behavior="isolated")  # one token per character
+    core.decoder = decoders.Fuse()
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=core, pad_token="<pad>", eos_token="<eos>",
+                                        bos_token="<bos>")
+    config = Gemma3TextConfig(
+        vocab_size=len(vocab), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=2, num_key_value_heads=1, head_dim=16, sliding_window=8,
+        layer_types=["sliding_attention", "full_attention"], max_position_embeddings=256,
+        initializer_range=0.5, bos_token_id=2, eos_token_id=1, pad_token_id=0,
+        final_logit_softcapping=None,
+    )
+    torch.manual_seed(seed)
+    model = Gemma3ForCausalLM(config).eval()
+    with torch.no_grad():
+        model.lm_head.weight.mul_(logit_scale)
+    return model, tokenizer

@@ -125,7 +125,7 @@ def test_streaming_callback_reassembles_the_text(tiny_engine, tiny_case):
     pieces, tokens = [], []
     result = tiny_engine.generate(
         GenerationRequest(prompt_ids=prompt_ids, max_tokens=MAX_NEW, prediction=text),
-        on_tokens=lambda ids, piece: (tokens.extend(ids), pieces.append(piece)))
+        on_tokens=lambda ids, piece, _: (tokens.extend(ids), pieces.append(piece)))
     assert "".join(pieces) == result.text
     assert tokens == result.token_ids
 
@@ -134,7 +134,7 @@ def test_cancellation_stops_promptly(tiny_engine, tiny_case):
     prompt_ids, _, _ = tiny_case
     rounds = []
     result = tiny_engine.generate(GenerationRequest(prompt_ids=prompt_ids, max_tokens=MAX_NEW),
-                                  on_tokens=lambda ids, piece: rounds.append(ids),
+                                  on_tokens=lambda ids, piece, _: rounds.append(ids),
                                   should_stop=lambda: len(rounds) >= 3)
     assert result.finish_reason == "cancelled"
     assert len(rounds) == 3

@@ -1,0 +1,85 @@
+"""Sampling with speculation: the target's distributions, the random draws, the verify rule.
+
+``target_probs`` defines the distribution a request samples from (temperature, then top-k, then
+top-p, as in transformers' ``generate``); ``SpeculativeSampler`` verifies a round's draft against
+it with the rejection-sampling kernel, so that the emitted tokens follow exactly that
+distribution, whatever was drafted.
+
+Each request owns its random generator, seeded from the request's ``seed``: its draws depend on
+nothing but its own rounds, so a seeded request gives the same text whatever else is in flight.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from foretell.kernels import rejection_sample
+
+
+class InvalidDistributionError(RuntimeError):
+    """The target produced a row that is not a distribution (NaN, inf, negative or no mass)."""
+
+
+def target_probs(logits: torch.Tensor, temperature: float, top_k: int | None = None,
+                 top_p: float = 1.0) -> torch.Tensor:
+    """Sampling distributions [R, V] (fp32) from logits [R, V].
+
+    top_k keeps the tokens whose logit reaches the k-th largest (ties at the edge are kept);
+    top_p keeps the smallest set of most likely tokens whose mass reaches top_p (at least one).
+    """
+    if temperature <= 0:
+        raise ValueError("temperature must be > 0 for sampling (0 means greedy)")
+    scaled = logits.float() / temperature  # [R, V]
+    if top_k is not None and 0 < top_k < scaled.shape[-1]:
+        kth = torch.topk(scaled, top_k, dim=-1).values[:, -1:]  # [R, 1]
+        scaled = scaled.masked_fill(scaled < kth, float("-inf"))
+    probs = torch.softmax(scaled, dim=-1)  # [R, V]
+    if top_p < 1.0:
+        sorted_probs, order = torch.sort(probs, dim=-1, descending=True)  # [R, V]
+        mass_before = torch.cumsum(sorted_probs, dim=-1) - sorted_probs
+        sorted_probs = sorted_probs.masked_fill(mass_before >= top_p, 0.0)
+        probs = torch.zeros_like(probs).scatter_(-1, order, sorted_probs)
+        probs = probs / probs.sum(dim=-1, keepdim=True)
+    return probs
+
+
+def new_seed() -> int:
+    """A fresh seed for requests that give none (from the OS, not torch's global generator)."""
+    return int.from_bytes(os.urandom(8), "little") >> 1
+
+
+class SpeculativeSampler:
+    """One request's sampling settings and random generator."""
+
+    def __init__(self, temperature: float, top_k: int | None = None, top_p: float = 1.0,
+                 seed: int | None = None, device: torch.device | str = "cpu"):
+        if temperature <= 0:
+            raise ValueError("temperature must be > 0 for sampling (0 means greedy)")
+        self.temperature, self.top_k, self.top_p = temperature, top_k, top_p
+        self.seed = new_seed() if seed is None else seed
+        self.generator = torch.Generator(device=device)
+        self.generator.manual_seed(self.seed)
+
+    def verify(self, logits: torch.Tensor, draft: list[int]) -> tuple[int, list[int]]:
+        """Verify one request's draft from its verify pass's logits [k+1, V].
+
+        Returns (accepted draft tokens, new tokens = accepted drafts + one sampled token).
+        """
+        k, vocab = len(draft), logits.shape[-1]
+        device = logits.device
+        probs = target_probs(logits, self.temperature, self.top_k, self.top_p)  # [k+1, V]
+        # Draws in a fixed order and amount per round, so a seed replays the same request.
+        uniform = torch.rand(1, k, generator=self.generator, device=device)  # [1, k]
+        exp_noise = torch.empty(1, vocab, device=device).exponential_(generator=self.generator)  # [1, V]
+        draft_tokens = torch.tensor([draft], dtype=torch.long, device=device).view(1, k)  # [1, k]
+        num_draft = torch.tensor([k], dtype=torch.long, device=device)  # [1]
+        num_accepted, output_tokens, invalid_row = rejection_sample(
+            probs.unsqueeze(0), draft_tokens, num_draft, uniform, exp_noise)
+        accepted, bad_row = int(num_accepted[0]), int(invalid_row[0])
+        if bad_row >= 0:
+            raise InvalidDistributionError(
+                f"the model's distribution at draft position {bad_row} is not a distribution "
+                "(NaN, infinite, negative or without mass); nothing was sampled from it")
+        return accepted, output_tokens[0, : accepted + 1].tolist()

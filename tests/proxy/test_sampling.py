@@ -1,0 +1,229 @@
+"""Sampling with speculation keeps exactly the target's distribution.
+
+A tiny Gemma 3 over a 12-token vocabulary makes the exact distribution of the first three
+tokens enumerable (1 + 12 + 144 forward passes); the engine, drafting from a prediction, is
+sampled a few thousand times at fixed seeds and compared with it by a chi-square test. The same
+test run with two wrong verify rules must fail, which shows the test has the power to notice.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+
+import pytest
+import torch
+
+import foretell.proxy.sampling as sampling
+from foretell.kernels import rejection_sample_reference
+from foretell.proxy.engine import GenerationRequest, SpeculativeEngine
+from foretell.proxy.sampling import InvalidDistributionError, target_probs
+from tests.helpers import build_small_vocab_model
+
+PROMPT = "abcabd"
+SAMPLES = 3000
+ALPHA_Z = 3.09  # one-sided normal quantile for alpha = 0.001
+
+
+@pytest.fixture(scope="module")
+def small():
+    model, tokenizer = build_small_vocab_model(logit_scale=0.3)
+    return model, tokenizer, SpeculativeEngine(model, tokenizer)
+
+
+@torch.inference_mode()
+def next_probs(model, ids, temperature, top_k=None, top_p=1.0) -> torch.Tensor:
+    logits = model(input_ids=torch.tensor([ids])).logits[0, -1:]
+    return target_probs(logits, temperature, top_k, top_p)[0]
+
+
+def exact_distribution(model, prompt_ids, length, eos, **sampling_args) -> dict[tuple, float]:
+    """P(first ``length`` tokens), a sequence ending early at EOS (as the engine stops there)."""
+    result = {}
+
+    def walk(prefix, mass):
+        if len(prefix) == length or (prefix and prefix[-1] == eos):
+            result[tuple(prefix)] = result.get(tuple(prefix), 0.0) + mass
+            return
+        probs = next_probs(model, prompt_ids + prefix, **sampling_args)
+        for token, p in enumerate(probs.tolist()):
+            if p > 0:
+                walk(prefix + [token], mass * p)
+
+    walk([], 1.0)
+    return result
+
+
+def chi_square(counts: Counter, expected: dict[tuple, float], n: int) -> tuple[float, float]:
+    """(statistic, critical value at alpha = 0.001); cells expected below 5 are pooled."""
+    stat, pooled_observed, pooled_expected, cells = 0.0, 0, 0.0, 0
+    for outcome, p in expected.items():
+        e = p * n
+        if e >= 5:
+            stat += (counts.get(outcome, 0) - e) ** 2 / e
+            cells += 1
+        else:
+            pooled_observed += counts.get(outcome, 0)
+            pooled_expected += e
+    unexpected = sum(c for outcome, c in counts.items() if outcome not in expected)
+    assert unexpected == 0, "the engine emitted a sequence of probability zero"
+    if pooled_expected > 0:
+        stat += (pooled_observed - pooled_expected) ** 2 / pooled_expected
+        cells += 1
+    df = cells - 1
+    critical = df * (1 - 2 / (9 * df) + ALPHA_Z * math.sqrt(2 / (9 * df))) ** 3  # Wilson-Hilferty
+    return stat, critical
+
+
+def sample_many(engine, prompt_ids, prediction, n=SAMPLES, **sampling_args):
+    counts, drafted, accepted = Counter(), 0, 0
+    for seed in range(n):
+        result = engine.generate(GenerationRequest(
+            prompt_ids=prompt_ids, max_tokens=3, prediction=prediction, prompt_lookup=False,
+            seed=seed, **sampling_args))
+        counts[tuple(result.token_ids)] += 1
+        drafted += result.stats.drafted_tokens
+        accepted += result.stats.accepted_tokens
+    return counts, drafted, accepted
+
+
+def greedy_text(engine, prompt_ids, n=3) -> str:
+    return engine.generate(GenerationRequest(prompt_ids=prompt_ids, max_tokens=n)).text
+
+
+# ---- wrong verify rules, to show the test can tell -------------------------------------------
+
+def accept_always(target, draft_tokens, num_draft, uniform, exp_noise):
+    """Wrong: every draft token the target does not rule out is accepted (u = 0)."""
+    return rejection_sample_reference(target, draft_tokens, num_draft, torch.zeros_like(uniform), exp_noise)
+
+
+def resample_from_p(target, draft_tokens, num_draft, uniform, exp_noise):
+    """Wrong: after a rejection, draw from p itself instead of p without the draft token."""
+    accepted, output, invalid = rejection_sample_reference(target, draft_tokens, num_draft, uniform, exp_noise)
+    for b in range(target.shape[0]):
+        n = int(accepted[b])
+        if n < int(num_draft[b]):
+            weights = target[b, n]
+            score = torch.where(weights > 0, weights / exp_noise[b], torch.full_like(weights, -1.0))
+            output[b, n] = score.argmax()
+    return accepted, output, invalid
+
+
+# ---- tests ---------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_first_tokens_follow_the_exact_target_distribution(small, temperature):
+    model, tokenizer, engine = small
+    prompt_ids = tokenizer(PROMPT)["input_ids"]
+    prediction = greedy_text(engine, prompt_ids)  # a likely prediction: drafts are often accepted
+    expected = exact_distribution(model, prompt_ids, 3, tokenizer.eos_token_id, temperature=temperature)
+    counts, drafted, accepted = sample_many(engine, prompt_ids, prediction, temperature=temperature)
+    assert drafted >= SAMPLES and 0 < accepted < drafted  # speculation really ran, with both outcomes
+    stat, critical = chi_square(counts, expected, SAMPLES)
+    assert stat < critical, f"chi-square {stat:.1f} >= {critical:.1f}: not the target distribution"
+
+
+@pytest.mark.parametrize("wrong_rule", [accept_always, resample_from_p])
+def test_the_distribution_test_catches_a_wrong_rule(small, monkeypatch, wrong_rule):
+    model, tokenizer, engine = small
+    prompt_ids = tokenizer(PROMPT)["input_ids"]
+    prediction = greedy_text(engine, prompt_ids)
+    expected = exact_distribution(model, prompt_ids, 3, tokenizer.eos_token_id, temperature=1.0)
+    monkeypatch.setattr(sampling, "rejection_sample", wrong_rule)
+    counts, _, _ = sample_many(engine, prompt_ids, prediction, temperature=1.0)
+    stat, critical = chi_square(counts, expected, SAMPLES)
+    assert stat > critical, f"the wrong rule {wrong_rule.__name__} passed: chi-square {stat:.1f}"
+
+
+@pytest.mark.parametrize("top_k,top_p", [(2, 1.0), (None, 0.5), (3, 0.6)])
+def test_top_k_and_top_p_never_emit_tokens_outside_the_kept_set(small, top_k, top_p):
+    model, tokenizer, engine = small
+    prompt_ids = tokenizer(PROMPT)["input_ids"]
+    # A prediction of unlikely tokens, so that drafts outside the kept set are proposed.
+    probs = next_probs(model, prompt_ids, 1.0)
+    unlikely = tokenizer.decode(torch.argsort(probs)[3:6].tolist(), skip_special_tokens=True) * 2
+    kept_cache: dict[tuple, set[int]] = {}
+    for seed in range(150):
+        result = engine.generate(GenerationRequest(
+            prompt_ids=prompt_ids, max_tokens=4, prediction=unlikely, prompt_lookup=False,
+            temperature=1.0, top_k=top_k, top_p=top_p, seed=seed))
+        for i, token in enumerate(result.token_ids):
+            prefix = tuple(result.token_ids[:i])
+            if prefix not in kept_cache:
+                p = next_probs(model, prompt_ids + list(prefix), 1.0, top_k, top_p)
+                kept_cache[prefix] = set(torch.nonzero(p > 0).flatten().tolist())
+            assert token in kept_cache[prefix], f"token {token} outside the kept set at {i}"
+
+
+def test_target_probs_filters():
+    logits = torch.tensor([[2.0, 1.0, 1.0, 0.0, -1.0]])
+    plain = target_probs(logits, 0.5)
+    assert torch.allclose(plain, torch.softmax(logits / 0.5, dim=-1))
+    top2 = target_probs(logits, 1.0, top_k=2)  # ties at the edge are kept: tokens 0, 1, 2
+    assert (top2[0] > 0).tolist() == [True, True, True, False, False]
+    assert torch.allclose(top2.sum(), torch.tensor(1.0))
+    distinct = torch.tensor([[2.0, 1.0, 0.5, 0.0, -1.0]])  # p = 0.563, 0.207, 0.126, ...
+    nucleus = target_probs(distinct, 1.0, top_p=0.6)  # 0.563 < 0.6: token 1 joins, token 2 not
+    assert (nucleus[0] > 0).tolist() == [True, True, False, False, False]
+    assert torch.allclose(nucleus.sum(), torch.tensor(1.0))
+    assert (target_probs(distinct, 1.0, top_p=0.01)[0] > 0).sum() == 1  # at least one token
+    with pytest.raises(ValueError):
+        target_probs(logits, 0.0)
+
+
+def test_seeded_requests_reproduce_whatever_runs_between(small):
+    _, tokenizer, engine = small
+    prompt_ids = tokenizer(PROMPT)["input_ids"]
+
+    def run(seed, prediction="ddd"):
+        return engine.generate(GenerationRequest(prompt_ids=prompt_ids, max_tokens=12, prediction=prediction,
+                                                 temperature=0.9, top_p=0.95, seed=seed))
+
+    first = run(11)
+    run(12, prediction="ghi")  # another request in between, with other drafts and draws
+    again = run(11)
+    assert again.token_ids == first.token_ids and again.seed == first.seed == 11
+    assert len({tuple(run(seed).token_ids) for seed in range(6)}) > 1  # the seed matters
+    unseeded = engine.generate(GenerationRequest(prompt_ids=prompt_ids, max_tokens=4, temperature=1.0))
+    assert isinstance(unseeded.seed, int)  # reported, so the caller can replay it
+
+
+def test_sampling_reports_the_same_statistics_as_greedy(small):
+    _, tokenizer, engine = small
+    prompt_ids = tokenizer(PROMPT)["input_ids"]
+    result = engine.generate(GenerationRequest(prompt_ids=prompt_ids, max_tokens=20, prediction="dddddd",
+                                               prompt_lookup=True, temperature=0.7, seed=3))
+    stats = result.stats
+    assert set(stats.per_source) == {"prediction", "prompt_lookup"}
+    assert stats.completion_tokens == len(result.token_ids) == len(result.token_origins)
+    assert stats.drafted_tokens == sum(s.drafted for s in stats.per_source.values())
+    assert stats.accepted_tokens == sum(s.accepted for s in stats.per_source.values()) <= stats.drafted_tokens
+    assert stats.target_passes >= 1 and stats.decode_seconds > 0
+
+
+def test_a_model_that_yields_nan_fails_safe(small):
+    _, tokenizer, _ = small
+    broken, _ = build_small_vocab_model(logit_scale=0.3)
+    with torch.no_grad():
+        broken.lm_head.weight.fill_(float("nan"))
+    engine = SpeculativeEngine(broken, tokenizer)
+    prompt_ids = tokenizer(PROMPT)["input_ids"]
+    with pytest.raises(InvalidDistributionError, match="not a distribution"):
+        engine.generate(GenerationRequest(prompt_ids=prompt_ids, max_tokens=5, prediction="abc",
+                                          temperature=1.0, seed=0))
+
+
+def test_logprobs_are_the_raw_model_log_probabilities(small):
+    model, tokenizer, engine = small
+    prompt_ids = tokenizer(PROMPT)["input_ids"]
+    for temperature in (0.0, 0.8):
+        result = engine.generate(GenerationRequest(prompt_ids=prompt_ids, max_tokens=6, prediction="ddd",
+                                                   temperature=temperature, seed=1, logprobs=3))
+        assert [lp.token_id for lp in result.logprobs] == result.token_ids
+        for i, entry in enumerate(result.logprobs):
+            with torch.inference_mode():
+                logits = model(input_ids=torch.tensor([prompt_ids + result.token_ids[:i]])).logits[0, -1]
+            expected = torch.log_softmax(logits.float(), dim=-1)
+            assert entry.logprob == pytest.approx(float(expected[entry.token_id]), abs=1e-4)
+            assert [t for t, _ in entry.top] == torch.topk(expected, 3).indices.tolist()
