@@ -211,7 +211,7 @@ def run_generate(args: argparse.Namespace) -> int:
         prompt_lookup=args.prompt_lookup, stop=tuple(args.stop), max_draft=args.max_draft,
     )
 
-    def show(_tokens, text: str) -> None:
+    def show(_tokens, text: str, _logprobs) -> None:
         sys.stdout.write(text)
         sys.stdout.flush()
 
