@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, field_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, field_validator, model_validator
 
 
 class APIError(Exception):
@@ -63,6 +63,8 @@ class _SamplingFields(_Lenient):
     max_tokens: StrictInt | None = Field(default=None, ge=1)
     temperature: float | None = Field(default=None, ge=0.0, le=2.0)
     top_p: float | None = Field(default=None, gt=0.0, le=1.0)
+    # An extension (as in vLLM): keep the k most likely tokens; 0 or absent: no limit.
+    top_k: StrictInt | None = Field(default=None, ge=0)
     seed: StrictInt | None = None
     stop: Union[str, list[str], None] = None
     n: StrictInt = Field(default=1, ge=1, le=8)
@@ -88,6 +90,11 @@ class _SamplingFields(_Lenient):
 
 class CompletionRequest(_SamplingFields):
     prompt: Union[str, list[str]]
+    # Log-probabilities of the emitted tokens with this many alternatives (OpenAI allows 0-5).
+    logprobs: StrictInt | None = Field(default=None, ge=0, le=5)
+
+    def logprob_alternatives(self) -> int | None:
+        return self.logprobs
 
     @field_validator("prompt")
     @classmethod
@@ -119,6 +126,17 @@ class ChatMessage(_Lenient):
 class ChatCompletionRequest(_SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: StrictInt | None = Field(default=None, ge=1)
+    logprobs: StrictBool | None = None
+    top_logprobs: StrictInt | None = Field(default=None, ge=0, le=20)
+
+    @model_validator(mode="after")
+    def _top_needs_logprobs(self):
+        if self.top_logprobs is not None and not self.logprobs:
+            raise ValueError("top_logprobs needs logprobs: true")
+        return self
+
+    def logprob_alternatives(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
 
 
 def describe_validation_error(error) -> tuple[str, str | None]:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import hmac
 import json
 import threading
@@ -22,6 +23,7 @@ from starlette.background import BackgroundTask
 
 from foretell import __version__
 from foretell.proxy.engine import GenerationRequest
+from foretell.proxy.logprobs_format import TokenTexts, chat_logprobs, completion_logprobs
 from foretell.proxy.metrics import Metrics
 from foretell.proxy.openai_schema import (
     APIError,
@@ -235,7 +237,8 @@ def create_app(settings: ServerSettings, load_local=None) -> FastAPI:
             prompt_lookup=speculation.prompt_lookup if speculation else None,
             stop=parsed.stop_strings(),
             max_draft=(speculation and speculation.max_draft) or GenerationRequest.max_draft,
-            temperature=parsed.temperature or 0.0, top_p=parsed.top_p or 1.0, seed=parsed.seed,
+            temperature=parsed.temperature or 0.0, top_p=parsed.top_p or 1.0, top_k=parsed.top_k or None,
+            seed=parsed.seed, logprobs=parsed.logprob_alternatives(),
         )
         ids = ("chatcmpl-" if is_chat else "cmpl-") + uuid.uuid4().hex
         created = int(time.time())
@@ -249,7 +252,10 @@ def create_app(settings: ServerSettings, load_local=None) -> FastAPI:
         results = [await collect(request, local, job, started)]
         # Further choices one after another, so that n never takes more than one queue slot.
         while len(results) < parsed.n and results[-1] is not None:
-            results.append(await collect(request, local, await submit_when_free(local, gen_request),
+            # A seeded request's further choices take the next seeds, so they differ yet replay.
+            seed = None if gen_request.seed is None else gen_request.seed + len(results)
+            choice_request = dataclasses.replace(gen_request, seed=seed)
+            results.append(await collect(request, local, await submit_when_free(local, choice_request),
                                          started))
         return completion_body(local, results, ids, created, is_chat)
 
@@ -311,12 +317,21 @@ def create_app(settings: ServerSettings, load_local=None) -> FastAPI:
                 payload.update(extra)
             return _sse(payload)
 
-        def choice(text: str | None, finish_reason=None, role=False) -> dict:
+        texts = TokenTexts(local.tokenizer)
+        offset = 0  # completions' text_offset runs on across chunks
+
+        def choice(text: str | None, finish_reason=None, role=False, logprobs=None) -> dict:
+            nonlocal offset
             if is_chat:
                 delta = {"role": "assistant", "content": ""} if role else (
                     {"content": text} if text is not None else {})
-                return {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
-            return {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish_reason}
+                shaped = chat_logprobs(logprobs, texts) if logprobs else None
+                return {"index": 0, "delta": delta, "logprobs": shaped, "finish_reason": finish_reason}
+            shaped = None
+            if logprobs:
+                shaped = completion_logprobs(logprobs, texts, offset)
+                offset = shaped["text_offset"][-1] + len(shaped["tokens"][-1])
+            return {"index": 0, "text": text or "", "logprobs": shaped, "finish_reason": finish_reason}
 
         first = None
         try:
@@ -329,8 +344,8 @@ def create_app(settings: ServerSettings, load_local=None) -> FastAPI:
                     return
                 if event[0] == "tokens":
                     first = first or time.perf_counter()
-                    if event[2]:
-                        yield chunk(choice(event[2]))
+                    if event[2] or event[3]:
+                        yield chunk(choice(event[2], logprobs=event[3]))
                     continue
                 if event[0] == "error":
                     yield _sse(APIError(500, f"generation failed: {event[1]}", type="server_error").body())
@@ -350,12 +365,17 @@ def create_app(settings: ServerSettings, load_local=None) -> FastAPI:
         if any(r is None for r in results):
             return Response(status_code=499)  # the client is gone; nobody reads this
         choices = []
+        texts = TokenTexts(local.tokenizer)
         for index, result in enumerate(results):
+            logprobs = None
+            if result.logprobs is not None:
+                shape = chat_logprobs if is_chat else completion_logprobs
+                logprobs = shape(result.logprobs, texts)
             if is_chat:
                 choices.append({"index": index, "message": {"role": "assistant", "content": result.text},
-                                "logprobs": None, "finish_reason": _finish(result)})
+                                "logprobs": logprobs, "finish_reason": _finish(result)})
             else:
-                choices.append({"index": index, "text": result.text, "logprobs": None,
+                choices.append({"index": index, "text": result.text, "logprobs": logprobs,
                                 "finish_reason": _finish(result)})
         usage = usage_body(results[0])
         usage["completion_tokens"] = sum(r.stats.completion_tokens for r in results)
@@ -457,6 +477,8 @@ def speculation_body(result) -> dict:
         "acceptance_rate": round(stats.acceptance_rate, 4),
         "per_source": {name: vars(source).copy() for name, source in stats.per_source.items()},
         "decode_seconds": round(stats.decode_seconds, 4),
+        # The seed a sampled request ran with (its own, or a fresh one to replay it with).
+        "seed": result.seed,
     }
 
 

@@ -201,6 +201,58 @@ def test_sampling_works_and_seed_reproduces(client):
     assert first == second and first
 
 
+def test_sampling_with_a_prediction_speculates_and_seeds_replay_under_load(client, engine_plain, tokenizer):
+    prompt_ids = tokenizer(PROMPT)["input_ids"]
+    prediction = engine_plain(prompt_ids, 40).text  # the greedy text: often what sampling picks too
+    # A low temperature: the random tiny model is nearly uniform, drafts need a sharper target.
+    kwargs = dict(model=MODEL, prompt=PROMPT, max_tokens=40, temperature=0.02, seed=5,
+                  extra_body={"top_k": 40, "prediction": {"type": "content", "content": prediction}})
+    first = client.completions.create(**kwargs)
+    # The same seed again while another sampled request is in flight on the same engine.
+    with openai.OpenAI(base_url=client.base_url, api_key=API_KEY, max_retries=5) as other:
+        background = threading.Thread(target=lambda: other.completions.create(
+            model=MODEL, prompt="x = 1\n", max_tokens=20, temperature=1.0))
+        background.start()
+        again = client.completions.create(**kwargs)
+        background.join()
+    assert again.choices[0].text == first.choices[0].text
+    report = first.model_extra["speculation"]
+    assert report["seed"] == 5 and report["drafted_tokens"] > 0 and report["accepted_tokens"] > 0
+    unseeded = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=5, temperature=1.0)
+    assert isinstance(unseeded.model_extra["speculation"]["seed"], int)
+
+
+def test_seeded_n_choices_differ_and_replay(client):
+    kwargs = dict(model=MODEL, prompt=PROMPT, max_tokens=12, temperature=1.0, seed=21, n=3)
+    first = [c.text for c in client.completions.create(**kwargs).choices]
+    assert first == [c.text for c in client.completions.create(**kwargs).choices]
+    assert len(set(first)) > 1
+
+
+def test_logprobs_with_a_prediction(client, tokenizer):
+    prediction = {"type": "content", "content": "    for item in items:\n        result += item\n"}
+    response = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=12, temperature=0,
+                                         logprobs=2, extra_body={"prediction": prediction})
+    logprobs = response.choices[0].logprobs
+    assert len(logprobs.tokens) == response.usage.completion_tokens
+    assert "".join(logprobs.tokens) == response.choices[0].text
+    assert logprobs.text_offset[0] == 0 and all(lp <= 0 for lp in logprobs.token_logprobs)
+    for token, chosen, top in zip(logprobs.tokens, logprobs.token_logprobs, logprobs.top_logprobs):
+        assert len(top) == 2 and max(top.values()) == pytest.approx(chosen)  # greedy took the best
+    chat = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "Say hi"}], max_completion_tokens=8,
+        temperature=0.8, seed=3, logprobs=True, top_logprobs=3, prediction=prediction)
+    content = chat.choices[0].logprobs.content
+    assert "".join(item.token for item in content) == chat.choices[0].message.content
+    assert all(len(item.top_logprobs) == 3 and item.bytes == list(item.token.encode()) for item in content)
+    stream = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "Say hi"}], max_completion_tokens=8,
+        temperature=0.8, seed=3, logprobs=True, top_logprobs=3, prediction=prediction, stream=True)
+    streamed = [item for chunk in stream if chunk.choices and chunk.choices[0].logprobs
+                for item in chunk.choices[0].logprobs.content]
+    assert [(i.token, i.logprob) for i in streamed] == [(i.token, i.logprob) for i in content]
+
+
 def test_n_choices(client):
     response = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=8, temperature=0, n=2)
     assert [c.index for c in response.choices] == [0, 1]
@@ -254,6 +306,10 @@ BAD_INPUTS = [
     ("invalid utf-8", "/v1/completions", None, b'{"model": "tiny", "prompt": "\xff\xfe"}', 400),
     ("prompt over context", "/v1/completions", {"model": MODEL, "prompt": " word" * 5000}, None, 400),
     ("temperature out of range", "/v1/completions", {"model": MODEL, "prompt": "x", "temperature": 9}, None, 400),
+    ("top_logprobs without logprobs", "/v1/chat/completions",
+     {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}, None, 400),
+    ("logprobs over 5", "/v1/completions", {"model": MODEL, "prompt": "x", "logprobs": 6}, None, 400),
+    ("negative top_k", "/v1/completions", {"model": MODEL, "prompt": "x", "top_k": -1}, None, 400),
     ("missing model", "/v1/completions", {"prompt": "x"}, None, 400),
 ]
 

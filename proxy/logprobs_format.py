@@ -1,0 +1,49 @@
+"""The engine's per-token log-probabilities in OpenAI's two response shapes.
+
+Chat: ``{"content": [{"token", "logprob", "bytes", "top_logprobs": [...]}], "refusal": None}``.
+Completions (legacy): ``{"tokens", "token_logprobs", "top_logprobs", "text_offset"}``, with
+offsets counted in characters from the start of the completion text.
+
+The values are the model's raw log-probabilities (before temperature, top-k and top-p), as
+vLLM reports them by default; they are computed from the verify pass, so they cost no extra pass
+even for tokens accepted from a prediction (OpenAI refuses logprobs with predictions).
+"""
+
+from __future__ import annotations
+
+
+class TokenTexts:
+    """Each token's own text, decoded once per token id."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+        self.cache: dict[int, str] = {}
+
+    def __call__(self, token_id: int) -> str:
+        if token_id not in self.cache:
+            self.cache[token_id] = self.tokenizer.decode([token_id], skip_special_tokens=False)
+        return self.cache[token_id]
+
+
+def chat_logprobs(entries, texts: TokenTexts) -> dict:
+    def item(token_id: int, logprob: float) -> dict:
+        text = texts(token_id)
+        return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
+
+    content = [{**item(e.token_id, e.logprob), "top_logprobs": [item(t, lp) for t, lp in e.top]}
+               for e in entries]
+    return {"content": content, "refusal": None}
+
+
+def completion_logprobs(entries, texts: TokenTexts, start_offset: int = 0) -> dict:
+    tokens, offsets, offset = [], [], start_offset
+    for e in entries:
+        tokens.append(texts(e.token_id))
+        offsets.append(offset)
+        offset += len(tokens[-1])
+    return {
+        "tokens": tokens,
+        "token_logprobs": [e.logprob for e in entries],
+        "top_logprobs": [{texts(t): lp for t, lp in e.top} for e in entries],
+        "text_offset": offsets,
+    }
