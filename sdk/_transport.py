@@ -101,10 +101,11 @@ class _Transport:
                                   timeout=self.timeout if timeout is None else timeout)
 
     def learn_kind(self, response: httpx.Response) -> None:
-        # A 5xx may come from a gateway in front of the server: it proves nothing.
+        if self.config.server != "auto":
+            return  # the caller said what the server is
         if FORETELL_HEADER in response.headers:
             self.kind = "foretell"
-        elif response.status_code < 500 and self.config.server == "auto":
+        elif response.status_code < 500:  # a 5xx may come from a gateway in front: proves nothing
             self.kind = "openai-compatible"
 
     def connection_error(self, error: Exception, request: httpx.Request) -> APIConnectionError:
@@ -149,7 +150,8 @@ class SyncTransport(_Transport):
              extra_headers: dict | None = None, timeout: Any = None,
              raise_status: bool = True) -> httpx.Response:
         """The response, read unless ``stream`` (a streaming response is open: the caller
-        closes it). Errors are raised once the retries are spent."""
+        closes it). Errors are raised once the retries are spent; with ``raise_status`` False an
+        error status is returned instead (after the same retries)."""
         request = self.build(self.http, method, path, body, stream, extra_headers, timeout)
         attempt = 0
         while True:
@@ -157,19 +159,21 @@ class SyncTransport(_Transport):
             try:
                 response = self.http.send(request, stream=True)
                 self.learn_kind(response)
-                if stream and (response.status_code < 400 or not raise_status):
+                if stream and response.status_code < 400:
                     return response
                 try:
                     response.read()
                 finally:
                     response.close()
-                if response.status_code < 400 or not raise_status:
+                if response.status_code < 400:
                     return response
                 error: Exception = self.status_error(response)
             except httpx.TransportError as exc:
                 error = self.connection_error(exc, request)
             delay = self.retry_delay(attempt, error, response)
             if delay is None:
+                if isinstance(error, APIStatusError) and not raise_status:
+                    return response  # the caller reads the status itself (the probe)
                 raise error
             self.sleep(delay)
             attempt += 1
@@ -198,19 +202,21 @@ class AsyncTransport(_Transport):
             try:
                 response = await self.http.send(request, stream=True)
                 self.learn_kind(response)
-                if stream and (response.status_code < 400 or not raise_status):
+                if stream and response.status_code < 400:
                     return response
                 try:
                     await response.aread()
                 finally:
                     await response.aclose()
-                if response.status_code < 400 or not raise_status:
+                if response.status_code < 400:
                     return response
                 error: Exception = self.status_error(response)
             except httpx.TransportError as exc:
                 error = self.connection_error(exc, request)
             delay = self.retry_delay(attempt, error, response)
             if delay is None:
+                if isinstance(error, APIStatusError) and not raise_status:
+                    return response  # the caller reads the status itself (the probe)
                 raise error
             await self.sleep(delay)
             attempt += 1

@@ -8,11 +8,11 @@ import warnings
 import httpx
 import pytest
 
-from foretell.sdk import Client, ForetellWarning, normalize_prediction, prediction_from_file
+from foretell.sdk import Client, ForetellWarning, RetryPolicy, normalize_prediction, prediction_from_file
 from foretell.sdk._config import DEFAULT_BASE_URL, resolve_config
 from foretell.sdk.types import ChatCompletion
 from tests.sdk.conftest import Script
-from tests.sdk.fakes import CHAT, answer, completion
+from tests.sdk.fakes import CHAT, answer, completion, error
 
 
 def body_of(request: httpx.Request) -> dict:
@@ -136,6 +136,25 @@ def test_known_hosts_and_the_server_argument_skip_the_probe():
     assert script.paths() == ["POST /v1/chat/completions"]
     assert script2.paths() == ["POST /v1/chat/completions"]
     assert body_of(script2.requests[0])["speculation"] == {"prompt_lookup": True}
+
+
+def test_an_explicit_server_kind_is_not_overridden_by_headers():
+    script = Script(answer(foretell=True))
+    client = client_for(script, server="openai-compatible")
+    client.chat.completions.create(**CHAT)
+    with pytest.warns(ForetellWarning):
+        client.chat.completions.create(**CHAT, prompt_lookup=True)
+    assert "speculation" not in body_of(script.requests[1])
+    assert client.server_kind == "openai-compatible"
+
+
+def test_a_gateway_error_without_the_header_does_not_decide_the_kind():
+    script = Script(error(502, foretell=False), answer(foretell=True))
+    client = client_for(script, retry_policy=RetryPolicy(random=lambda: 0.0), sleep=lambda s: None)
+    client.chat.completions.create(**CHAT, prompt_lookup=True)
+    # The probe met the 502 first, retried, then saw the header: speculation was sent.
+    assert script.paths() == ["GET /v1/models", "GET /v1/models", "POST /v1/chat/completions"]
+    assert body_of(script.requests[2])["speculation"] == {"prompt_lookup": True}
 
 
 def test_the_kind_is_learnt_from_any_response_without_a_probe():
