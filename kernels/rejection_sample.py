@@ -115,12 +115,13 @@ def rejection_sample_reference(target_probs, draft_tokens, num_draft, uniform, e
     if B > 0 and bool(((n < 0) | (n > K)).any()):
         raise ValueError(f"num_draft values must lie in [0, K] = [0, {K}], got {n.tolist()}")
     pos = torch.arange(K + 1, device=device)  # [K+1]
-    in_use = pos.unsqueeze(0) <= n.unsqueeze(1)  # [B, K+1] rows that may be read
+    probs = target_probs
 
-    # A row is a distribution when it is finite, non-negative and has some mass. Padding rows
-    # may hold anything: mask them before looking.
-    probs = torch.where(in_use.unsqueeze(2), target_probs, torch.zeros_like(target_probs))
-    row_ok = (torch.isfinite(probs) & (probs >= 0)).all(dim=2) & (probs.sum(dim=2) > 0)  # [B, K+1]
+    # A row is a distribution when it is finite, non-negative and has some mass: its minimum is
+    # >= 0 (a NaN makes it NaN) and its sum is finite and > 0. Two passes over the rows, which
+    # matter on a CPU. Padding rows get a verdict too, but only rows j <= num_draft are used.
+    row_sum = probs.sum(dim=2)  # [B, K+1]
+    row_ok = (probs.amin(dim=2) >= 0) & torch.isfinite(row_sum) & (row_sum > 0)  # [B, K+1]
 
     draft = draft_tokens.to(torch.int64)  # [B, K]
     in_vocab = (draft >= 0) & (draft < V)

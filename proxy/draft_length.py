@@ -29,6 +29,9 @@ class PassCostModel:
     def cost(self, draft_length: int) -> float:
         return self.fixed + self.per_position * (draft_length + 1)
 
+    def __add__(self, other: "PassCostModel") -> "PassCostModel":
+        return PassCostModel(self.fixed + other.fixed, self.per_position + other.per_position)
+
     @classmethod
     def measure(cls, forward_positions, positions=(1, 17, 65), repeats: int = 3) -> "PassCostModel":
         """Time ``forward_positions(n)`` (one pass over n new positions) and fit a line.
@@ -58,6 +61,9 @@ class PassCostModel:
 # Measured on the reference CPU machine for Gemma 3 270M (see design.md): a default for when no
 # measurement was taken.
 DEFAULT_PASS_COST = PassCostModel(fixed=0.068, per_position=0.004)
+# The sampling verify's own cost on top of the pass (distributions over the 262k vocabulary,
+# the draws, the kernel), measured the same way: it makes long drafts dearer when sampling.
+DEFAULT_SAMPLING_COST = PassCostModel(fixed=0.008, per_position=0.0012)
 
 
 class AcceptanceEstimate:

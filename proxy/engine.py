@@ -26,6 +26,7 @@ from transformers import DynamicCache
 from foretell.kernels import greedy_verify
 from foretell.proxy.draft_length import (
     DEFAULT_PASS_COST,
+    DEFAULT_SAMPLING_COST,
     AcceptanceEstimate,
     PassCostModel,
     best_draft_length,
@@ -203,6 +204,7 @@ class SpeculativeEngine:
         self.tokenizer = tokenizer
         self.device = next(model.parameters()).device
         self.pass_cost = pass_cost or DEFAULT_PASS_COST
+        self.sampling_cost = DEFAULT_SAMPLING_COST
         eos = model.generation_config.eos_token_id if model.generation_config else None
         eos = tokenizer.eos_token_id if eos is None else eos
         self.eos_token_ids = frozenset(eos if isinstance(eos, (list, tuple)) else [eos]) - {None}
@@ -226,6 +228,15 @@ class SpeculativeEngine:
             cache.crop(-n)
 
         self.pass_cost = PassCostModel.measure(forward, positions=positions)
+
+        vocab = self.model.config.vocab_size
+        sampler = SpeculativeSampler(temperature=1.0, seed=0, device=self.device)
+
+        def sample(n: int) -> None:
+            logits = torch.randn(n, vocab, device=self.device)
+            sampler.verify(logits, logits[: n - 1].argmax(dim=-1).tolist())
+
+        self.sampling_cost = PassCostModel.measure(sample, positions=positions)
         return self.pass_cost
 
     # ---- generation ---------------------------------------------------------------------
@@ -268,6 +279,7 @@ class SpeculativeEngine:
             sampler = SpeculativeSampler(request.temperature, request.top_k, request.top_p,
                                          request.seed, self.device)
         logprobs = [] if request.logprobs is not None else None
+        cost_model = self.pass_cost if sampler is None else self.pass_cost + self.sampling_cost
         estimates = {s.name: AcceptanceEstimate() for s in sources}
         stats = GenerationStats(prompt_tokens=len(prompt))
         stats.per_source = {s.name: SourceStats() for s in sources}
@@ -292,7 +304,7 @@ class SpeculativeEngine:
             # A round yields draft + 1 tokens at most, so never draft past max_tokens.
             proposals = {s.name: s.propose(min(request.max_draft, room - 1)) for s in sources}
             runs = {s.name: s.agreement_run() for s in sources}
-            source_name, draft = self._choose_draft(proposals, estimates, runs)
+            source_name, draft = self._choose_draft(proposals, estimates, runs, cost_model)
 
             accepted, new_tokens, rows = verify_draft(self.model, cache, pending, draft, sampler)
             stats.target_passes += 1
@@ -344,12 +356,12 @@ class SpeculativeEngine:
                                 seed=sampler.seed if sampler is not None else None)
 
     def _choose_draft(self, proposals: dict[str, list[int]], estimates: dict[str, AcceptanceEstimate],
-                      runs: dict[str, float | None]):
+                      runs: dict[str, float | None], cost_model: PassCostModel):
         """Pick the source and draft length with the best expected tokens per unit of cost."""
         best_name, best_length = None, 0
-        best_rate = 1.0 / self.pass_cost.cost(0)
+        best_rate = 1.0 / cost_model.cost(0)
         for name, proposal in proposals.items():
-            length, rate = best_draft_length(estimates[name].rate, len(proposal), self.pass_cost,
+            length, rate = best_draft_length(estimates[name].rate, len(proposal), cost_model,
                                              runs.get(name))
             if length > 0 and rate > best_rate:
                 best_name, best_length, best_rate = name, length, rate

@@ -37,12 +37,25 @@ def target_probs(logits: torch.Tensor, temperature: float, top_k: int | None = N
         scaled = scaled.masked_fill(scaled < kth, float("-inf"))
     probs = torch.softmax(scaled, dim=-1)  # [R, V]
     if top_p < 1.0:
-        sorted_probs, order = torch.sort(probs, dim=-1, descending=True)  # [R, V]
-        mass_before = torch.cumsum(sorted_probs, dim=-1) - sorted_probs
-        sorted_probs = sorted_probs.masked_fill(mass_before >= top_p, 0.0)
-        probs = torch.zeros_like(probs).scatter_(-1, order, sorted_probs)
-        probs = probs / probs.sum(dim=-1, keepdim=True)
+        probs = _nucleus(probs, top_p)
     return probs
+
+
+def _nucleus(probs: torch.Tensor, top_p: float, head: int = 1024) -> torch.Tensor:
+    """Keep each row's smallest set of most likely tokens whose mass reaches top_p.
+
+    Sorting a 262k-token row is slow on a CPU and a nucleus is usually small, so the rows are
+    first cut to their ``head`` most likely tokens; only rows whose head holds less than top_p
+    of the mass are sorted in full. Both give the same set.
+    """
+    head = min(head, probs.shape[-1])
+    top_probs, order = torch.topk(probs, head, dim=-1)  # [R, head], descending
+    if bool((top_probs.sum(dim=-1) < top_p).any()):
+        top_probs, order = torch.sort(probs, dim=-1, descending=True)  # [R, V]
+    mass_before = torch.cumsum(top_probs, dim=-1) - top_probs
+    kept = top_probs.masked_fill(mass_before >= top_p, 0.0)
+    nucleus = torch.zeros_like(probs).scatter_(-1, order, kept)  # [R, V]
+    return nucleus / nucleus.sum(dim=-1, keepdim=True)
 
 
 def new_seed() -> int:

@@ -172,6 +172,16 @@ def test_target_probs_filters():
         target_probs(logits, 0.0)
 
 
+def test_nucleus_head_shortcut_keeps_the_same_set():
+    g = torch.Generator().manual_seed(0)
+    sharp = torch.softmax(torch.randn(4, 5000, generator=g) * 4, dim=-1)  # nucleus inside the head
+    flat = torch.softmax(torch.randn(3, 5000, generator=g) * 0.1, dim=-1)  # needs the full sort
+    for probs in (sharp, flat, torch.cat([sharp, flat])):
+        for top_p in (0.3, 0.9, 0.999):
+            assert torch.equal(sampling._nucleus(probs, top_p, head=64) > 0,
+                               sampling._nucleus(probs, top_p, head=5000) > 0)
+
+
 def test_seeded_requests_reproduce_whatever_runs_between(small):
     _, tokenizer, engine = small
     prompt_ids = tokenizer(PROMPT)["input_ids"]
@@ -227,3 +237,13 @@ def test_logprobs_are_the_raw_model_log_probabilities(small):
             expected = torch.log_softmax(logits.float(), dim=-1)
             assert entry.logprob == pytest.approx(float(expected[entry.token_id]), abs=1e-4)
             assert [t for t, _ in entry.top] == torch.topk(expected, 3).indices.tolist()
+
+
+def test_calibration_measures_the_sampling_overhead(tiny_model, tokenizer):
+    engine = SpeculativeEngine(tiny_model, tokenizer)
+    pass_cost = engine.calibrate(context_tokens=32)
+    assert pass_cost.fixed > 0 and pass_cost.per_position > 0
+    # Distributions over the 262k vocabulary cost something per verified position.
+    assert engine.sampling_cost.fixed > 0 and engine.sampling_cost.per_position > 0
+    combined = engine.pass_cost + engine.sampling_cost
+    assert combined.cost(8) == pytest.approx(pass_cost.cost(8) + engine.sampling_cost.cost(8))
