@@ -232,6 +232,7 @@ class EditStream:
         self.result: EditResult | None = None
 
     def __iter__(self) -> Iterator[EditProgress]:
+        self._call.started = time.perf_counter()  # time the request, not the wait before iterating
         with self._client.chat.completions.create(**self._call.kwargs) as stream:
             self._call.request_id = stream.request_id
             for chunk in stream:
@@ -255,6 +256,7 @@ class AsyncEditStream:
         self.result: EditResult | None = None
 
     async def __aiter__(self) -> AsyncIterator[EditProgress]:
+        self._call.started = time.perf_counter()
         async with await self._client.chat.completions.create(**self._call.kwargs) as stream:
             self._call.request_id = stream.request_id
             async for chunk in stream:
