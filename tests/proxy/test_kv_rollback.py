@@ -16,7 +16,7 @@ DRAFT = 6
 def next_logits_after_round(model, prompt_ids, draft):
     """Prefill, verify ``draft`` (rolling back what is rejected), then take one more step."""
     cache = prefill(model, prompt_ids)
-    accepted, new_tokens = verify_draft(model, cache, prompt_ids[-1], draft)
+    accepted, new_tokens, _ = verify_draft(model, cache, prompt_ids[-1], draft)
     assert cache.get_seq_length() == len(prompt_ids) + accepted
     logits = model(input_ids=torch.tensor([[new_tokens[-1]]]), cache=cache, use_cache=True).logits
     return accepted, new_tokens, logits[0, -1]
