@@ -39,6 +39,20 @@ def _positive_int(value: str) -> int:
     return number
 
 
+def _temperature(value: str) -> float:
+    number = float(value)
+    if not 0.0 <= number <= 2.0:
+        raise argparse.ArgumentTypeError(f"must lie in [0, 2], got {value}")
+    return number
+
+
+def _top_p(value: str) -> float:
+    number = float(value)
+    if not 0.0 < number <= 1.0:
+        raise argparse.ArgumentTypeError(f"must lie in (0, 1], got {value}")
+    return number
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="foretell",
@@ -50,10 +64,11 @@ def build_parser() -> argparse.ArgumentParser:
         "generate",
         help="complete a prompt on the local model, verifying a prediction and/or prompt lookup",
         description=(
-            "Greedy completion of a prompt on the local model. Drafts from the prediction file "
-            "and/or prompt lookup are verified many tokens per forward pass; the output is "
-            "exactly what plain greedy decoding would produce. The completion goes to stdout, "
-            "the statistics to stderr."
+            "Complete a prompt on the local model, greedily (default) or sampling with "
+            "--temperature. Drafts from the prediction file and/or prompt lookup are verified "
+            "many tokens per forward pass; the output is exactly what plain greedy decoding "
+            "would produce (sampling: follows exactly plain sampling's distribution). The "
+            "completion goes to stdout, the statistics to stderr."
         ),
     )
     generate.add_argument("--prompt-file", required=True, metavar="P",
@@ -75,6 +90,16 @@ def build_parser() -> argparse.ArgumentParser:
                                "Hugging Face model folder (env: FORETELL_MODEL)")
     generate.add_argument("--max-draft", type=_positive_int, default=128, metavar="K",
                           help="most draft tokens verified per forward pass (default: 128)")
+    generate.add_argument("--temperature", type=_temperature, default=0.0, metavar="T",
+                          help="0 (default) decodes greedily; > 0 samples, still speculating, with "
+                               "exactly plain sampling's distribution")
+    generate.add_argument("--top-p", type=_top_p, default=1.0, metavar="P",
+                          help="sampling: keep the likeliest tokens up to this mass (default: 1)")
+    generate.add_argument("--top-k", type=_positive_int, default=None, metavar="K",
+                          help="sampling: keep the K likeliest tokens (default: all)")
+    generate.add_argument("--seed", type=int, default=None,
+                          help="sampling: the same seed gives the same text (default: a fresh "
+                               "seed, printed with the statistics)")
     generate.add_argument("--no-calibrate", action="store_true",
                           help="skip measuring the pass cost at start-up (uses built-in figures)")
     generate.add_argument("--json-stats", action="store_true",
@@ -209,6 +234,7 @@ def run_generate(args: argparse.Namespace) -> int:
     request = GenerationRequest(
         prompt_ids=prompt_ids, max_tokens=args.max_tokens, prediction=prediction,
         prompt_lookup=args.prompt_lookup, stop=tuple(args.stop), max_draft=args.max_draft,
+        temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed,
     )
 
     def show(_tokens, text: str, _logprobs) -> None:
@@ -225,10 +251,12 @@ def run_generate(args: argparse.Namespace) -> int:
     if args.json_stats:
         import json
 
-        print(json.dumps({"finish_reason": result.finish_reason, **result.stats.as_dict()}),
-              file=sys.stderr)
+        print(json.dumps({"finish_reason": result.finish_reason, "seed": result.seed,
+                          **result.stats.as_dict()}), file=sys.stderr)
     else:
         print(_format_stats(result.stats, result.finish_reason), file=sys.stderr)
+        if result.seed is not None:
+            print(f"seed: {result.seed}", file=sys.stderr)
     return 0
 
 

@@ -71,6 +71,7 @@ class SpeculationReport(_Object):
     acceptance_rate: float | None = None
     per_source: dict[str, SourceReport] = field(default_factory=dict)
     decode_seconds: float | None = None
+    seed: int | None = None  # the seed a sampled request ran with: pass it back to replay it
 
     @classmethod
     def from_dict(cls, data: Any):

@@ -22,7 +22,7 @@ def test_help_lists_every_option():
     result = run_cli("generate", "--help")
     assert result.returncode == 0
     for option in ("--prompt-file", "--prediction-file", "--prompt-lookup", "--max-tokens",
-                   "--model", "--stop", "--max-draft"):
+                   "--model", "--stop", "--max-draft", "--temperature", "--top-p", "--top-k", "--seed"):
         assert option in result.stdout
 
 
@@ -30,6 +30,8 @@ def test_help_lists_every_option():
     (["generate", "--prompt-file", "/no/such/file"], "does not exist"),
     (["generate", "--prompt-file", "-", "--max-tokens", "0"], "positive integer"),
     (["generate"], "--prompt-file"),
+    (["generate", "--prompt-file", "-", "--temperature", "3"], "must lie in [0, 2]"),
+    (["generate", "--prompt-file", "-", "--top-p", "0"], "must lie in (0, 1]"),
     (["generate", "--prompt-file", "-", "--model", "/no/such/model"], "cannot load model"),
 ])
 def test_bad_input_gives_a_clear_error(args, message):
@@ -56,3 +58,16 @@ def test_generate_prints_the_engines_completion_and_statistics(tmp_path, tiny_mo
     assert stats["completion_tokens"] == 30
     assert stats["per_source"]["prediction"]["accepted"] > 0
     assert stats["target_passes"] < 30
+
+
+def test_generate_samples_and_a_seed_replays(tmp_path, tiny_model_folder):
+    (tmp_path / "prompt.txt").write_text("def area(width, height):\n    return")
+    args = ["generate", "--model", str(tiny_model_folder), "--prompt-file", str(tmp_path / "prompt.txt"),
+            "--max-tokens", "12", "--no-calibrate", "--json-stats", "--temperature", "0.9",
+            "--top-k", "50", "--prediction-file", str(tmp_path / "prompt.txt")]
+    first, again = run_cli(*args, "--seed", "4"), run_cli(*args, "--seed", "4")
+    assert first.returncode == 0, first.stderr
+    assert first.stdout == again.stdout and first.stdout.strip()
+    assert json.loads(first.stderr.strip().splitlines()[-1])["seed"] == 4
+    unseeded = run_cli(*args)
+    assert isinstance(json.loads(unseeded.stderr.strip().splitlines()[-1])["seed"], int)

@@ -54,6 +54,17 @@ def test_chat_with_a_prediction_equals_plain_greedy_and_accepts_prediction_token
     assert client.server_kind == "foretell"
 
 
+def test_sampled_chat_with_a_prediction_replays_its_seed(client):
+    prompt = build_edit_prompt(FILE, INSTRUCTION, filename="shapes.py")
+    kwargs = dict(model=MODEL, messages=prompt.messages, max_tokens=12, temperature=0.7, seed=42,
+                  prediction=prompt.prediction, logprobs=True, top_logprobs=2)
+    first = client.chat.completions.create(**kwargs)
+    again = client.chat.completions.create(**kwargs)
+    assert again.text == first.text and first.speculation.seed == 42
+    assert first.speculation.drafted_tokens > 0
+    assert len(first.choices[0].logprobs["content"]) == first.usage.completion_tokens
+
+
 def test_edit_round_trip_equals_the_plain_answer(client, plain_edit_answer):
     result = edit(client, FILE, INSTRUCTION, model=MODEL, filename="shapes.py")
     assert result.output == plain_edit_answer.text
