@@ -197,7 +197,8 @@ def token_logprobs(logits: torch.Tensor, tokens: list[int], top: int) -> list[To
 
 
 class SpeculativeEngine:
-    """Greedy generation with drafts from a prediction and/or prompt lookup, verified exactly."""
+    """Greedy or sampled generation with drafts from a prediction and/or prompt lookup, verified
+    exactly."""
 
     def __init__(self, model, tokenizer, pass_cost: PassCostModel | None = None):
         self.model = model
