@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import os
+from pathlib import Path
 
 from foretell.sdk import Client, edit
 
@@ -32,14 +33,15 @@ def main() -> None:
     parser.add_argument("--instruction", default="Rename width to w.")
     args = parser.parse_args()
 
-    text = open(args.file, encoding="utf-8").read() if args.file else SAMPLE
+    text = Path(args.file).read_text(encoding="utf-8") if args.file else SAMPLE
     name = os.path.basename(args.file) if args.file else "shapes.py"
     with Client(args.base_url) as client:
         result = edit(client, text, args.instruction, model=args.model, filename=name)
 
     print(result.diff or "(no changes)")
-    print(f"finish: {result.finish_reason}; {result.completion_tokens} tokens in {result.seconds:.1f} s "
-          f"({result.tokens_per_second:.1f} tok/s)")
+    speed = f" ({result.tokens_per_second:.1f} tok/s)" if result.tokens_per_second else ""
+    print(f"finish: {result.finish_reason}; {result.completion_tokens} tokens in {result.seconds:.1f} s"
+          + speed)
     print(f"prediction tokens: {result.accepted_prediction_tokens} accepted, "
           f"{result.rejected_prediction_tokens} rejected")
     if result.speculation is not None:  # foretell servers report how speculation went

@@ -20,16 +20,22 @@ import tempfile
 from pathlib import Path
 
 
-def _read_text(path: str, what: str) -> str:
-    if path == "-":
-        return sys.stdin.read()
+def _read_file(path: str, what: str) -> tuple[bytes, str]:
+    """A file's bytes and its UTF-8 text, or a clear exit."""
     file = Path(path)
     if not file.is_file():
         raise SystemExit(f"foretell: {what} {path!r} does not exist or is not a file")
+    raw = file.read_bytes()
     try:
-        return file.read_text(encoding="utf-8")
+        return raw, raw.decode("utf-8")
     except UnicodeDecodeError:
         raise SystemExit(f"foretell: {what} {path!r} is not valid UTF-8 text") from None
+
+
+def _read_text(path: str, what: str) -> str:
+    if path == "-":
+        return sys.stdin.read()
+    return _read_file(path, what)[1]
 
 
 def _positive_int(value: str) -> int:
@@ -187,8 +193,9 @@ def build_parser() -> argparse.ArgumentParser:
                       help="most tokens to generate (default: enough for the whole file and growth)")
     edit.add_argument("--no-prompt-lookup", action="store_true",
                       help="ask a foretell server not to use prompt lookup as the prediction's fallback")
-    edit.add_argument("--timeout", type=float, default=600.0, metavar="S",
-                      help="seconds to wait for the server (default: 600)")
+    edit.add_argument("--timeout", type=float, default=None, metavar="S",
+                      help="seconds the whole request may take (default: 600; connecting never "
+                           "waits more than 10)")
     return parser
 
 
@@ -326,7 +333,7 @@ def _edit_stats(result) -> str:
                      f"{result.rejected_prediction_tokens} rejected")
     if result.speculation is not None and result.speculation.target_passes is not None:
         parts.append(f"target passes: {result.speculation.target_passes}")
-    lines = [line for line in result.diff.splitlines() if not line.startswith(("+++", "---"))]
+    lines = result.diff.splitlines()[2:]  # after the '--- a/' and '+++ b/' headers
     added = sum(line.startswith("+") for line in lines)
     removed = sum(line.startswith("-") for line in lines)
     parts.append(f"+{added} -{removed} lines" if result.changed else "no changes")
@@ -338,13 +345,7 @@ def run_edit(args: argparse.Namespace) -> int:
     from foretell.sdk import Client, EditTruncatedError, ForetellError, edit_stream
 
     path = Path(args.file)
-    if not path.is_file():
-        raise SystemExit(f"foretell: {args.file!r} does not exist or is not a file")
-    original = path.read_bytes()
-    try:
-        text = original.decode("utf-8")
-    except UnicodeDecodeError:
-        raise SystemExit(f"foretell: {args.file!r} is not valid UTF-8 text") from None
+    original, text = _read_file(args.file, "file")
     instruction = args.instruction
     if instruction is None:
         instruction = _read_text(args.instruction_file, "instruction file")
@@ -353,7 +354,8 @@ def run_edit(args: argparse.Namespace) -> int:
 
     progress = sys.stderr.isatty()
     try:
-        with Client(args.base_url, args.api_key, timeout=args.timeout) as client:
+        timeout = {} if args.timeout is None else {"timeout": args.timeout}
+        with Client(args.base_url, args.api_key, **timeout) as client:
             model = args.model or _first_model(client)
             stream = edit_stream(client, text, instruction, model=model, filename=path.name,
                                  max_tokens=args.max_tokens,

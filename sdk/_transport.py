@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import email.utils
 import json
+import math
 import random as _random
 import time
 from dataclasses import dataclass, field
@@ -29,6 +30,16 @@ from foretell.sdk.errors import (
 
 FORETELL_HEADER = "x-foretell-version"
 DEFAULT_TIMEOUT = httpx.Timeout(600.0, connect=10.0)  # generations can take minutes on a CPU
+CONNECT_TIMEOUT = 10.0
+
+
+def as_timeout(timeout: Any) -> Any:
+    """A number of seconds bounds the whole request, but connecting never waits longer than
+    ``CONNECT_TIMEOUT`` (an unreachable host should fail fast, not after the generation budget).
+    An ``httpx.Timeout`` (or None) is taken as it is."""
+    if isinstance(timeout, (int, float)) and not isinstance(timeout, bool):
+        return httpx.Timeout(float(timeout), connect=min(float(timeout), CONNECT_TIMEOUT))
+    return timeout
 
 
 @dataclass
@@ -54,21 +65,26 @@ def retryable_status(status: int) -> bool:
     return status in (408, 409, 429) or status >= 500
 
 
+def _finite(text: str | None) -> float | None:
+    """A finite number from a header, else None ('nan' and 'inf' parse as floats too)."""
+    try:
+        number = float(text)
+    except (TypeError, ValueError):
+        return None
+    return number if math.isfinite(number) else None
+
+
 def parse_retry_after(headers: httpx.Headers, now: float | None = None) -> float | None:
     """Seconds to wait from ``retry-after-ms`` or ``Retry-After`` (seconds or an HTTP date)."""
-    millis = headers.get("retry-after-ms")
-    if millis:
-        try:
-            return float(millis) / 1000.0
-        except ValueError:
-            pass
+    millis = _finite(headers.get("retry-after-ms"))
+    if millis is not None:
+        return millis / 1000.0
     value = headers.get("retry-after")
     if not value:
         return None
-    try:
-        return float(value)
-    except ValueError:
-        pass
+    seconds = _finite(value)
+    if seconds is not None:
+        return seconds
     try:
         when = email.utils.parsedate_to_datetime(value)
     except (TypeError, ValueError):
@@ -81,7 +97,7 @@ def parse_retry_after(headers: httpx.Headers, now: float | None = None) -> float
 class _Transport:
     def __init__(self, config: ClientConfig, policy: RetryPolicy, timeout: Any,
                  default_headers: dict[str, str] | None):
-        self.config, self.policy, self.timeout = config, policy, timeout
+        self.config, self.policy, self.timeout = config, policy, as_timeout(timeout)
         self.default_headers = dict(default_headers or {})
         self.kind: str | None = config.known_kind()  # 'foretell' / 'openai-compatible' once known
 
@@ -98,7 +114,7 @@ class _Transport:
         headers.update(self.default_headers)
         headers.update(extra_headers or {})
         return http.build_request(method, self.config.url(path), json=body, headers=headers,
-                                  timeout=self.timeout if timeout is None else timeout)
+                                  timeout=self.timeout if timeout is None else as_timeout(timeout))
 
     def learn_kind(self, response: httpx.Response) -> None:
         if self.config.server != "auto":

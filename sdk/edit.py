@@ -223,6 +223,13 @@ async def aedit(client, text: str, instruction: str, *, model: str, filename: st
     return call.result()
 
 
+def _run_once(stream) -> None:
+    # A second run would send the request again and splice two answers into one output.
+    if stream._ran:
+        raise RuntimeError("an edit stream runs once: read .result, or start a new edit_stream()")
+    stream._ran = True
+
+
 class EditStream:
     """Iterate for ``EditProgress`` steps; ``result`` holds the ``EditResult`` once the iteration
     ends (``EditTruncatedError`` is raised at the end when the answer was cut off)."""
@@ -230,8 +237,10 @@ class EditStream:
     def __init__(self, client, call: _EditCall):
         self._client, self._call = client, call
         self.result: EditResult | None = None
+        self._ran = False
 
     def __iter__(self) -> Iterator[EditProgress]:
+        _run_once(self)
         self._call.started = time.perf_counter()  # time the request, not the wait before iterating
         with self._client.chat.completions.create(**self._call.kwargs) as stream:
             self._call.request_id = stream.request_id
@@ -242,9 +251,10 @@ class EditStream:
         self.result = self._call.result()
 
     def until_done(self) -> EditResult:
-        """Consume the stream and return the result."""
-        for _ in self:
-            pass
+        """Consume the stream (if not done yet) and return the result."""
+        if self.result is None:
+            for _ in self:
+                pass
         return self.result
 
 
@@ -254,8 +264,10 @@ class AsyncEditStream:
     def __init__(self, client, call: _EditCall):
         self._client, self._call = client, call
         self.result: EditResult | None = None
+        self._ran = False
 
     async def __aiter__(self) -> AsyncIterator[EditProgress]:
+        _run_once(self)
         self._call.started = time.perf_counter()
         async with await self._client.chat.completions.create(**self._call.kwargs) as stream:
             self._call.request_id = stream.request_id
@@ -266,8 +278,9 @@ class AsyncEditStream:
         self.result = self._call.result()
 
     async def until_done(self) -> EditResult:
-        async for _ in self:
-            pass
+        if self.result is None:
+            async for _ in self:
+                pass
         return self.result
 
 

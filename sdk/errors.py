@@ -122,11 +122,10 @@ class InternalServerError(APIStatusError):
     status_code = 500
 
 
-_BY_STATUS = {
-    400: BadRequestError, 401: AuthenticationError, 403: PermissionDeniedError,
-    404: NotFoundError, 409: ConflictError, 413: RequestTooLargeError,
-    422: UnprocessableEntityError, 429: RateLimitError,
-}
+# Each class names its own status once (its ``status_code`` class attribute).
+_BY_STATUS = {cls.status_code: cls for cls in (
+    BadRequestError, AuthenticationError, PermissionDeniedError, NotFoundError, ConflictError,
+    RequestTooLargeError, UnprocessableEntityError, RateLimitError)}
 
 # For errors sent inside a stream, which have no HTTP status of their own: OpenAI's error types.
 _STATUS_BY_TYPE = {
@@ -172,7 +171,8 @@ def error_from_body(status: int | None, body: Any, *, request_id: str | None,
         detail = {}
     message = detail.get("message") or (body.get("message") if isinstance(body, dict) else None)
     if not message:
-        message = _redact(fallback_text.strip()[:500], secrets) or "the server answered an error"
+        # Redact before cutting, so that a key across the cut cannot leave a prefix behind.
+        message = _redact(fallback_text.strip(), secrets)[:500] or "the server answered an error"
     if status is None:
         code = detail.get("code")
         if isinstance(code, int) and 400 <= code < 600:

@@ -16,7 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from foretell.sdk.errors import ForetellError
+from foretell.sdk.errors import ForetellError, _redact
 from foretell.sdk.estimates import prediction_issues
 from foretell.sdk.prediction import PredictionInput, normalize_prediction
 from foretell.sdk.streaming import AsyncStream, Stream
@@ -79,13 +79,16 @@ def prepare_call(endpoint: str, required: dict, *, prediction: PredictionInput, 
                         "know through extra_body={...}")
     body = {**required, **{k: v for k, v in params.items() if v is not None}}
     normalized = normalize_prediction(prediction)
-    issues = []
     if normalized is not None:
         body["prediction"] = normalized
-        issues = prediction_issues(str(required["model"]), body, endpoint=endpoint,
-                                   openai_target=openai_target)
     if stream:
         body["stream"] = True
+    body.update(extra_body or {})
+    # Checked on the final body, so that fields given through extra_body count too.
+    issues = []
+    if body.get("prediction") is not None:
+        issues = prediction_issues(str(required["model"]), body, endpoint=endpoint,
+                                   openai_target=openai_target)
     speculation = None
     if prompt_lookup is not None or max_draft is not None:
         speculation = {}
@@ -93,7 +96,6 @@ def prepare_call(endpoint: str, required: dict, *, prediction: PredictionInput, 
             speculation["prompt_lookup"] = bool(prompt_lookup)
         if max_draft is not None:
             speculation["max_draft"] = int(max_draft)
-    body.update(extra_body or {})
     if endpoint == "chat":
         path, response_type, chunk_type = "/chat/completions", ChatCompletion, ChatCompletionChunk
     else:
@@ -102,12 +104,13 @@ def prepare_call(endpoint: str, required: dict, *, prediction: PredictionInput, 
                         speculation, issues)
 
 
-def _parse(call_type: type, response) -> Any:
+def _parse(call_type: type, response, secrets) -> Any:
     try:
         data = response.json()
     except ValueError:
+        text = _redact(response.text, secrets)[:200]
         raise ForetellError(f"the server answered {response.status_code} with a body that is not "
-                            f"JSON: {response.text[:200]!r}") from None
+                            f"JSON: {text!r}") from None
     parsed = call_type.from_dict(data)
     parsed.request_id = response.headers.get("x-request-id")
     return parsed
@@ -132,7 +135,7 @@ class _SyncResource(_Resource):
                                   extra_headers=call.extra_headers, timeout=call.timeout)
         if call.stream:
             return Stream(response, call.chunk_type, transport)
-        return _parse(call.response_type, response)
+        return _parse(call.response_type, response, transport.secrets)
 
 
 class _AsyncResource(_Resource):
@@ -146,7 +149,7 @@ class _AsyncResource(_Resource):
                                         extra_headers=call.extra_headers, timeout=call.timeout)
         if call.stream:
             return AsyncStream(response, call.chunk_type, transport)
-        return _parse(call.response_type, response)
+        return _parse(call.response_type, response, transport.secrets)
 
 
 class ChatCompletions(_SyncResource):
@@ -177,7 +180,8 @@ class Completions(_SyncResource):
 
 class Models(_SyncResource):
     def list(self) -> ModelList:
-        return _parse(ModelList, self._client._transport.send("GET", "/models"))
+        transport = self._client._transport
+        return _parse(ModelList, transport.send("GET", "/models"), transport.secrets)
 
 
 class Chat:
@@ -213,7 +217,8 @@ class AsyncCompletions(_AsyncResource):
 
 class AsyncModels(_AsyncResource):
     async def list(self) -> ModelList:
-        return _parse(ModelList, await self._client._transport.send("GET", "/models"))
+        transport = self._client._transport
+        return _parse(ModelList, await transport.send("GET", "/models"), transport.secrets)
 
 
 class AsyncChat:

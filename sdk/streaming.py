@@ -2,8 +2,9 @@
 
 ``Stream`` / ``AsyncStream`` are plain (async) iterators over one open HTTP response. The
 response is closed when the events end, when an error is raised, when the caller calls
-``close()`` / leaves a ``with`` block, or when the stream is garbage-collected; closing early
-drops the connection, which makes the foretell proxy cancel the generation.
+``close()`` / leaves a ``with`` block, or when a sync ``Stream`` is garbage-collected (an
+``AsyncStream`` cannot close itself there: use ``async with`` or ``await close()``); closing
+early drops the connection, which makes the foretell proxy cancel the generation.
 
 An ``error`` event after the stream started raises the typed error (``APIStatusError`` subclass
 with ``during_stream=True``) after the chunks before it were delivered. A connection that breaks
@@ -18,7 +19,7 @@ from typing import Any, AsyncIterator, Generic, Iterator, TypeVar
 
 import httpx
 
-from foretell.sdk.errors import APIConnectionError, ForetellError
+from foretell.sdk.errors import APIConnectionError, ForetellError, _redact
 
 T = TypeVar("T")
 
@@ -84,7 +85,8 @@ class _Events:
         try:
             payload = json.loads(event.data)
         except ValueError:
-            raise ForetellError(f"the server sent an event that is not JSON: {event.data[:200]!r}") from None
+            text = _redact(event.data, self.transport.secrets)[:200]
+            raise ForetellError(f"the server sent an event that is not JSON: {text!r}") from None
         if event.event == "error" or (isinstance(payload, dict) and payload.get("error") is not None):
             raise self.transport.stream_error(payload, self.response)
         chunk = self.chunk_type.from_dict(payload)
@@ -144,6 +146,13 @@ class Stream(Generic[T]):
         """Stop early: closes the generator and the connection."""
         self._iterator.close()
         self.response.close()
+
+    def __del__(self) -> None:
+        # A stream dropped before (or while) it was read: its generator's ``finally`` may never
+        # run, so close the response here rather than leave the proxy generating.
+        response = self.__dict__.get("response")
+        if response is not None:
+            response.close()
 
     def __enter__(self) -> "Stream[T]":
         return self

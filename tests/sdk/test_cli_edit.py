@@ -10,8 +10,8 @@ import sys
 
 import pytest
 
-from foretell.cli import FileChangedError, write_atomically
-from foretell.sdk import Client, edit
+from foretell.cli import FileChangedError, _edit_stats, write_atomically
+from foretell.sdk import Client, EditResult, edit, unified_diff
 from tests.sdk.conftest import free_port
 from tests.sdk.test_live import FILE, INSTRUCTION, MODEL
 
@@ -94,6 +94,13 @@ def test_bad_input_exits_1_with_a_message_and_no_traceback(tmp_path, setup, args
     assert message in result.stderr and "Traceback" not in result.stderr
     if setup == "text":
         assert file.read_text() == "x = 1\n"
+
+
+def test_the_statistics_count_changed_lines_that_look_like_diff_headers():
+    before, after = "a\n-- note\nb\n", "a\n++ note\nb\n"
+    result = EditResult(text=after, original=before, diff=unified_diff(before, after, "f.sql"),
+                        output=after, finish_reason="stop", complete=True, seconds=1.0)
+    assert "+1 -1 lines" in _edit_stats(result)
 
 
 def test_write_and_diff_are_exclusive(tmp_path):

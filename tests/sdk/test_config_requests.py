@@ -182,6 +182,9 @@ def test_openai_prediction_limits_warn_only_for_servers_that_are_not_foretell():
                                        n=2, logprobs=True, tools=[{"type": "function"}])
     messages = " | ".join(str(w.message) for w in caught)
     assert "n > 1" in messages and "logprobs" in messages and "tools" in messages
+    with pytest.warns(ForetellWarning, match="n > 1"):  # fields given through extra_body count too
+        client_for(Script(answer(foretell=False)), base_url="https://api.openai.com/v1").chat.completions.create(
+            model="gpt-4o", messages=CHAT["messages"], prediction="x", extra_body={"n": 2})
     with pytest.warns(ForetellWarning, match="gpt-3.5-turbo"):
         client.chat.completions.create(model="gpt-3.5-turbo", messages=CHAT["messages"], prediction="x")
     foretell = Script(answer(foretell=True))

@@ -121,6 +121,18 @@ def test_edit_stream_reports_progress_then_the_result():
     assert body["stream"] is True and body["stream_options"] == {"include_usage": True}
 
 
+def test_an_edit_stream_runs_once():
+    parts = [sse(chunk("```python\n" + FILE)), sse(chunk(None, "stop")), b"data: [DONE]\n\n"]
+    script = Script(streamed(Body(parts)))
+    client = Client("http://test.local/v1", http_client=httpx.Client(transport=script.transport()))
+    stream = edit_stream(client, FILE, "Keep it.", model="m")
+    result = stream.until_done()
+    assert stream.until_done() is result and result.text == FILE  # no second request
+    with pytest.raises(RuntimeError, match="runs once"):
+        list(stream)
+    assert len(script.requests) == 1
+
+
 def test_async_edit_and_async_edit_stream():
     script = Script(echo_prediction(), streamed(Body([sse(chunk("```text\nnew\n```\n")), sse(chunk(None, "stop"))])))
 

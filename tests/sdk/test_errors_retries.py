@@ -12,6 +12,7 @@ import pytest
 from foretell.sdk import (
     APIConnectionError,
     APIStatusError,
+    ForetellError,
     APITimeoutError,
     AsyncClient,
     AuthenticationError,
@@ -206,3 +207,37 @@ def test_async_client_returns_typed_response_after_a_retry():
     response = asyncio.run(run())
     assert response.text == "hello" and response.usage.accepted_prediction_tokens == 2
     assert sleeps == [0.0]
+
+
+def test_a_non_json_success_body_does_not_show_the_key():
+    script = Script(lambda r: httpx.Response(200, text=f"oops, your key {KEY} was wrong" + " " * 300 + KEY))
+    client, _ = make_client(script, max_retries=0)
+    with pytest.raises(ForetellError, match="not JSON") as caught:
+        client.chat.completions.create(**CHAT)
+    assert KEY not in str(caught.value) and KEY[:8] not in str(caught.value)
+
+
+def test_a_key_across_the_message_cut_leaves_no_prefix():
+    text = "x" * 490 + KEY  # the 500-character cut falls inside the key
+    script = Script(lambda r: httpx.Response(502, text=text))
+    client, _ = make_client(script, max_retries=0)
+    with pytest.raises(InternalServerError) as caught:
+        client.chat.completions.create(**CHAT)
+    assert KEY[:10] not in str(caught.value)
+
+
+@pytest.mark.parametrize("value", ["nan", "inf", "-inf"])
+def test_a_retry_after_that_is_not_a_finite_number_falls_back_to_backoff(value):
+    script = Script(error(503, retry_after=value), answer())
+    client, sleeps = make_client(script, max_retries=1, jitter=1.0)
+    assert client.chat.completions.create(**CHAT).text == "hello"
+    assert sleeps == [0.5]
+
+
+def test_a_number_timeout_keeps_a_short_connect_timeout():
+    client = Client("http://test.local/v1", KEY, timeout=30)
+    timeout = client._transport.timeout
+    assert (timeout.read, timeout.connect) == (30.0, 10.0)
+    assert Client("http://test.local/v1", KEY, timeout=2)._transport.timeout.connect == 2.0
+    exact = httpx.Timeout(5.0, connect=60.0)
+    assert Client("http://test.local/v1", KEY, timeout=exact)._transport.timeout is exact

@@ -21,7 +21,7 @@ from foretell.sdk import (
 from foretell.sdk.streaming import SSEDecoder
 from foretell.sdk.types import Completion
 from tests.sdk.conftest import Script
-from tests.sdk.fakes import CHAT, Body, chunk, error, sse, streamed
+from tests.sdk.fakes import CHAT, KEY, Body, chunk, error, sse, streamed
 
 
 def client_for(script: Script, sleeps: list | None = None) -> Client:
@@ -177,3 +177,19 @@ def test_async_stream_delivers_then_raises_and_closes_early():
 
     assert asyncio.run(run()) == ["x"]
     assert error_body.closed and long_body.closed and long_body.sent < 50
+
+
+def test_a_stream_dropped_before_it_was_read_closes_its_response():
+    body = Body([sse(chunk(str(i))) for i in range(10)])
+    stream = client_for(Script(streamed(body))).chat.completions.create(**CHAT, stream=True)
+    del stream  # never iterated: its generator never started
+    gc.collect()
+    assert body.closed and body.sent == 0
+
+
+def test_a_non_json_event_does_not_show_the_key():
+    client = Client("http://test.local/v1", KEY, http_client=httpx.Client(
+        transport=Script(streamed(Body([f"data: {{echo {KEY}\n\n".encode()]))).transport()))
+    with pytest.raises(ForetellError, match="not JSON") as caught:
+        list(client.chat.completions.create(**CHAT, stream=True))
+    assert KEY not in str(caught.value)
