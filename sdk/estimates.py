@@ -40,14 +40,19 @@ _OPENAI_NAME = re.compile(r"^(gpt-|chatgpt-|o\d|ft:gpt-|text-|davinci|babbage)")
 FALLBACK_ENCODING = "o200k_base"  # the encoding of every prediction-capable model
 
 
+def _bare(model: str) -> str:
+    """The model's OpenAI name ('openai/gpt-4o' as routers write it -> 'gpt-4o')."""
+    return model.removeprefix("openai/")
+
+
 def model_family(model: str) -> str | None:
     """'gpt-4.1-mini' for 'gpt-4.1-mini-2025-04-14'; None when predictions are unsupported."""
-    match = _SUPPORTED.match(model.removeprefix("openai/"))
+    match = _SUPPORTED.match(_bare(model))
     return match.group(1) if match else None
 
 
 def output_price_per_million(model: str) -> float | None:
-    bare = model.removeprefix("openai/")
+    bare = _bare(model)
     if bare in OUTPUT_PRICE_PER_MILLION:
         return OUTPUT_PRICE_PER_MILLION[bare]
     family = model_family(bare)
@@ -63,7 +68,7 @@ def get_encoding(model: str):
     import tiktoken
 
     try:
-        name, exact = tiktoken.encoding_name_for_model(model.removeprefix("openai/")), True
+        name, exact = tiktoken.encoding_name_for_model(_bare(model)), True
     except KeyError:
         name, exact = FALLBACK_ENCODING, False
     if name not in _ENCODINGS:
@@ -79,7 +84,10 @@ def get_encoding(model: str):
 
 def count_tokens(text: str, model: str = "gpt-4o") -> int:
     """Tokens of ``text`` for an OpenAI model (o200k_base for models tiktoken does not know)."""
-    encoding, _ = get_encoding(model)
+    return _count(get_encoding(model)[0], text)
+
+
+def _count(encoding, text: str) -> int:
     return len(encoding.encode(text, disallowed_special=()))
 
 
@@ -100,7 +108,7 @@ def estimate_prediction(prediction: PredictionInput, model: str, **params: Any) 
     the other request parameters, checked against OpenAI's documented limits (``warnings``)."""
     text = prediction_text(normalize_prediction(prediction))
     encoding, exact = get_encoding(model)
-    tokens = len(encoding.encode(text, disallowed_special=()))
+    tokens = _count(encoding, text)
     price = output_price_per_million(model)
     return PredictionEstimate(
         model=model, encoding=encoding.name, exact_tokenizer=exact, prediction_tokens=tokens,
@@ -117,7 +125,7 @@ def prediction_issues(model: str, params: dict, *, endpoint: str = "chat",
     penalty > 0, max_completion_tokens, audio or non-text modalities; chat completions only).
     The model check applies to OpenAI targets and to names of OpenAI models."""
     issues = []
-    bare = model.removeprefix("openai/")
+    bare = _bare(model)
     if (openai_target or _OPENAI_NAME.match(bare)) and model_family(bare) is None:
         issues.append(f"OpenAI documents predictions only for gpt-4o, gpt-4o-mini, gpt-4.1, "
                       f"gpt-4.1-mini and gpt-4.1-nano, not {model!r}")

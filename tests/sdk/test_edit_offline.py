@@ -33,7 +33,9 @@ def test_prompt_shows_the_file_and_predicts_the_answers_opening():
     assert "Rename w to width." in content and "```python\n" + FILE + "```" in content
     assert prompt.prediction == "```python\n" + FILE
     assert prompt.stop == ["\n```\n"]
-    assert prompt.max_tokens >= len(FILE) // 4
+    # Room for the whole answer: (characters / 3 + 1) * 1.5 + 64, as docs/sdk.md says.
+    answer_chars = len("```python\n" + FILE)
+    assert prompt.max_tokens == int((answer_chars // 3 + 1) * 1.5) + 64
 
 
 def test_the_fence_outgrows_backticks_in_the_file_and_unknown_types_are_text():
@@ -68,13 +70,12 @@ def test_unified_diff_marks_a_missing_final_newline():
     assert unified_diff("same\n", "same\n") == ""
 
 
-def echo_prediction(status_output=None):
+def echo_prediction():
     """A server that answers with the request's prediction (an unchanged copy), cut like a stop
     string would cut it, and records the request body."""
     def handler(request: httpx.Request):
         body = json.loads(request.content)
-        text = status_output if status_output is not None else body["prediction"]["content"][:-1]
-        return answer(body=completion(text))(request)
+        return answer(body=completion(body["prediction"]["content"][:-1]))(request)
     return handler
 
 
