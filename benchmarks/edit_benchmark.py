@@ -46,7 +46,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import torch  # noqa: E402
 
 from foretell.proxy.engine import GenerationRequest, SpeculativeEngine  # noqa: E402
-from foretell.proxy.model_loader import load_model  # noqa: E402
+from foretell.proxy.engine.model_loader import load_model  # noqa: E402
 
 STDLIB_FILES = ["bisect.py", "colorsys.py", "fnmatch.py", "genericpath.py", "textwrap.py",
                 "shlex.py", "graphlib.py", "heapq.py"]

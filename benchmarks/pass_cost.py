@@ -15,7 +15,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import torch  # noqa: E402
 
 from foretell.proxy.engine import new_cache  # noqa: E402
-from foretell.proxy.model_loader import load_model  # noqa: E402
+from foretell.proxy.engine.model_loader import load_model  # noqa: E402
 
 
 def median_ms(fn, repeats: int = 5) -> float:

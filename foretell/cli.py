@@ -226,7 +226,7 @@ def run_generate(args: argparse.Namespace) -> int:
 
     os.environ.setdefault("HF_HUB_OFFLINE", "1")  # never reach for a model hub at run time
     from foretell.proxy.engine import GenerationRequest, SpeculativeEngine
-    from foretell.proxy.model_loader import load_model
+    from foretell.proxy.engine.model_loader import load_model
 
     try:
         loaded = load_model(args.model)
@@ -272,7 +272,7 @@ def run_serve(args: argparse.Namespace) -> int:
     import uvicorn
 
     from foretell.proxy.server import ServerSettings, create_app
-    from foretell.proxy.upstream import load_routes
+    from foretell.proxy.server.upstream import load_routes
 
     try:
         routes = load_routes(args.config)

@@ -13,7 +13,7 @@ import pytest  # noqa: E402
 @pytest.fixture(scope="session")
 def embedded_folder():
     """The embedded model's converted folder (converted and cached on first use)."""
-    from foretell.proxy.model_loader import resolve_model_folder
+    from foretell.proxy.engine.model_loader import resolve_model_folder
 
     return resolve_model_folder(None)[1]
 
@@ -37,7 +37,7 @@ def tiny_model(tokenizer):
 @pytest.fixture(scope="session")
 def embedded():
     """The real embedded Gemma 3 270M with its tokenizer."""
-    from foretell.proxy.model_loader import load_model
+    from foretell.proxy.engine.model_loader import load_model
 
     return load_model(None)
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from foretell.proxy.draft_sources import PredictionSource, PromptLookupSource
+from foretell.proxy.engine.draft_sources import PredictionSource, PromptLookupSource
 
 FILE = """def load(path):
     with open(path) as handle:

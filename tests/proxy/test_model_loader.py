@@ -6,8 +6,8 @@ import json
 
 import pytest
 
-from foretell.proxy import model_loader
-from foretell.proxy.model_loader import MANIFEST_NAME, cache_is_valid, write_manifest
+from foretell.proxy.engine import model_loader
+from foretell.proxy.engine.model_loader import MANIFEST_NAME, cache_is_valid, write_manifest
 
 
 def make_folder(path):

@@ -14,10 +14,10 @@ from collections import Counter
 import pytest
 import torch
 
-import foretell.proxy.sampling as sampling
+import foretell.proxy.engine.sampling as sampling
 from foretell.kernels import rejection_sample_reference
 from foretell.proxy.engine import GenerationRequest, SpeculativeEngine
-from foretell.proxy.sampling import InvalidDistributionError, target_probs
+from foretell.proxy.engine.sampling import InvalidDistributionError, target_probs
 from tests.helpers import build_small_vocab_model
 
 PROMPT = "abcabd"

@@ -260,8 +260,8 @@ def test_n_choices(client):
 
 
 def test_chat_fallback_template_without_a_chat_template():
-    from foretell.proxy.openai_schema import ChatMessage
-    from foretell.proxy.server import _chat_prompt
+    from foretell.proxy.server.schema import ChatMessage
+    from foretell.proxy.server.app import _chat_prompt
 
     class NoTemplate:
         chat_template = None

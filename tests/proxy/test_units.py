@@ -4,14 +4,14 @@ from __future__ import annotations
 
 import pytest
 
-from foretell.proxy.draft_length import (
+from foretell.proxy.engine.draft_length import (
     AcceptanceEstimate,
     PassCostModel,
     best_draft_length,
     expected_tokens,
 )
-from foretell.proxy.prediction_usage import prediction_token_usage
-from foretell.proxy.stopping import decide_stop, find_stop_string
+from foretell.proxy.engine.prediction_usage import prediction_token_usage
+from foretell.proxy.engine.stopping import decide_stop, find_stop_string
 
 COST = PassCostModel(fixed=0.07, per_position=0.004)
 

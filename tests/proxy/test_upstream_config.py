@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from foretell.proxy.upstream import Upstream, load_routes, prepare_body
+from foretell.proxy.server.upstream import Upstream, load_routes, prepare_body
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "foretell.toml"
 

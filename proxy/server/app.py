@@ -23,16 +23,16 @@ from starlette.background import BackgroundTask
 
 from foretell import __version__
 from foretell.proxy.engine import GenerationRequest
-from foretell.proxy.logprobs_format import TokenTexts, chat_logprobs, completion_logprobs
-from foretell.proxy.metrics import Metrics
-from foretell.proxy.openai_schema import (
+from foretell.proxy.server.logprobs_format import TokenTexts, chat_logprobs, completion_logprobs
+from foretell.proxy.server.metrics import Metrics
+from foretell.proxy.server.schema import (
     APIError,
     ChatCompletionRequest,
     CompletionRequest,
     describe_validation_error,
 )
-from foretell.proxy.upstream import Forwarder, RouteTable, prepare_body
-from foretell.proxy.worker import QueueFullError
+from foretell.proxy.server.upstream import Forwarder, RouteTable, prepare_body
+from foretell.proxy.engine.worker import QueueFullError
 
 FALLBACK_CHAT_TEMPLATE_NOTE = (
     "Models without a chat template get a plain transcript: 'System: ...', 'User: ...', "
@@ -511,8 +511,8 @@ def _check_key(header: str, keys: tuple[str, ...]) -> None:
 def _default_loader(settings: ServerSettings):
     def load(metrics: Metrics) -> LocalModel:
         from foretell.proxy.engine import SpeculativeEngine
-        from foretell.proxy.model_loader import load_model
-        from foretell.proxy.worker import EngineWorker
+        from foretell.proxy.engine.model_loader import load_model
+        from foretell.proxy.engine.worker import EngineWorker
 
         loaded = load_model(settings.model)
         engine = SpeculativeEngine(loaded.model, loaded.tokenizer)

@@ -24,17 +24,17 @@ import torch
 from transformers import DynamicCache
 
 from foretell.kernels import greedy_verify
-from foretell.proxy.draft_length import (
+from foretell.proxy.engine.draft_length import (
     DEFAULT_PASS_COST,
     DEFAULT_SAMPLING_COST,
     AcceptanceEstimate,
     PassCostModel,
     best_draft_length,
 )
-from foretell.proxy.draft_sources import PredictionSource, PromptLookupSource
-from foretell.proxy.prediction_usage import prediction_token_usage
-from foretell.proxy.sampling import SpeculativeSampler
-from foretell.proxy.stopping import decide_stop, stable_text
+from foretell.proxy.engine.draft_sources import PredictionSource, PromptLookupSource
+from foretell.proxy.engine.prediction_usage import prediction_token_usage
+from foretell.proxy.engine.sampling import SpeculativeSampler
+from foretell.proxy.engine.stopping import decide_stop, stable_text
 
 
 @dataclass

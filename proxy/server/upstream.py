@@ -34,7 +34,7 @@ from pathlib import Path
 
 import httpx
 
-from foretell.proxy.openai_schema import APIError
+from foretell.proxy.server.schema import APIError
 
 # Body fields that are foretell's own and never go upstream.
 LOCAL_ONLY_FIELDS = ("speculation",)

@@ -14,7 +14,7 @@ import queue
 import threading
 from dataclasses import dataclass, field
 
-from foretell.proxy.engine import GenerationRequest
+from foretell.proxy.engine.engine import GenerationRequest
 
 
 class QueueFullError(Exception):
