@@ -1,13 +1,16 @@
 """Typed responses: plain dataclasses built from the server's JSON.
 
 Building never fails on the shape: missing fields become None (or an empty list), unknown fields
-are kept. A response also carries ``request_id`` (the ``x-request-id`` header). Every object keeps the JSON it was built from: ``.to_dict()`` returns a copy, and an
-unknown top-level field is readable as an attribute (``response.foretell`` for the proxy's notes).
+are kept. A response also carries ``request_id`` (the ``x-request-id`` header). Every object keeps
+the JSON it was built from: ``.model_dump()`` (also ``.to_dict()``) returns a copy and
+``.model_dump_json()`` the JSON text, as the openai package's models do, and an unknown top-level
+field is readable as an attribute (``response.foretell`` for the proxy's notes).
 """
 
 from __future__ import annotations
 
 import copy
+import json
 from dataclasses import dataclass, field, fields
 from typing import Any, ClassVar
 
@@ -41,6 +44,16 @@ class _Object:
     def to_dict(self) -> dict:
         """The JSON this object was built from (a deep copy)."""
         return copy.deepcopy(self._raw)
+
+    def model_dump(self) -> dict:
+        """The JSON object the server sent, as a plain dict (a deep copy): every field it had,
+        unknown ones included, and none it did not have."""
+        return self.to_dict()
+
+    def model_dump_json(self, *, indent: int | None = None) -> str:
+        """``model_dump()`` as JSON text: compact unless ``indent`` is given, non-ASCII kept."""
+        separators = (",", ":") if indent is None else None
+        return json.dumps(self._raw, indent=indent, separators=separators, ensure_ascii=False)
 
     def __getattr__(self, name: str):
         # Only called for attributes that are not fields: unknown JSON fields.
