@@ -11,6 +11,7 @@ Imports without torch (httpx and tiktoken only). See docs/sdk.md.
 """
 
 from foretell.sdk._config import DEFAULT_BASE_URL
+from foretell.sdk._logs import setup_logging
 from foretell.sdk._transport import RetryPolicy
 from foretell.sdk.client import AsyncClient, Client
 from foretell.sdk.edit import (
@@ -50,6 +51,7 @@ from foretell.sdk.estimates import (
     prediction_issues,
 )
 from foretell.sdk.prediction import normalize_prediction, prediction_from_file
+from foretell.sdk.raw_response import RawResponse
 from foretell.sdk.streaming import AsyncStream, Stream
 from foretell.sdk.types import (
     ChatCompletion,
@@ -70,6 +72,9 @@ __all__ = [
     "InternalServerError", "TokenizerUnavailableError", "EditTruncatedError",
     "count_tokens", "estimate_prediction", "prediction_issues", "PredictionEstimate",
     "normalize_prediction", "prediction_from_file",
-    "Stream", "AsyncStream", "ChatCompletion", "ChatCompletionChunk", "Completion", "ModelList",
-    "SpeculationReport", "Usage",
+    "Stream", "AsyncStream", "RawResponse", "ChatCompletion", "ChatCompletionChunk", "Completion",
+    "ModelList", "SpeculationReport", "Usage",
 ]
+
+# FORETELL_LOG=info|debug: log retries (and, at debug, every request) to stderr.
+setup_logging()

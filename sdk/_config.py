@@ -39,6 +39,10 @@ class ClientConfig:
         return self.base_url + "/" + path.lstrip("/")
 
     @property
+    def path(self) -> str:
+        return urlsplit(self.base_url).path
+
+    @property
     def host(self) -> str:
         return (urlsplit(self.base_url).hostname or "").lower()
 

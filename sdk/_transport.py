@@ -12,6 +12,7 @@ import email.utils
 import json
 import math
 import random as _random
+import re
 import time
 from dataclasses import dataclass, field
 from typing import Any, Awaitable, Callable
@@ -20,6 +21,8 @@ import httpx
 
 from foretell import __version__
 from foretell.sdk._config import ClientConfig
+from foretell.sdk._deadline import Deadline, within
+from foretell.sdk._logs import logger
 from foretell.sdk.errors import (
     APIConnectionError,
     APIStatusError,
@@ -34,9 +37,10 @@ CONNECT_TIMEOUT = 10.0
 
 
 def as_timeout(timeout: Any) -> Any:
-    """A number of seconds bounds the whole request, but connecting never waits longer than
-    ``CONNECT_TIMEOUT`` (an unreachable host should fail fast, not after the generation budget).
-    An ``httpx.Timeout`` (or None) is taken as it is."""
+    """A number of seconds bounds each network wait (connecting, sending, and each read: a
+    stream may run longer as long as events keep coming; ``deadline`` bounds the whole call), but
+    connecting never waits longer than ``CONNECT_TIMEOUT`` (an unreachable host should fail fast,
+    not after the generation budget). An ``httpx.Timeout`` (or None) is taken as it is."""
     if isinstance(timeout, (int, float)) and not isinstance(timeout, bool):
         return httpx.Timeout(float(timeout), connect=min(float(timeout), CONNECT_TIMEOUT))
     return timeout
@@ -59,6 +63,10 @@ class RetryPolicy:
         if retry_after is not None:
             return min(max(retry_after, 0.0), self.max_retry_after)
         return min(self.max_delay, self.base_delay * 2 ** attempt) * self.random()
+
+
+# A base URL path that names an API version (/v1, /openai/v1, /v1beta/openai).
+_VERSIONED_PATH = re.compile(r"/v\d")
 
 
 def retryable_status(status: int) -> bool:
@@ -125,11 +133,17 @@ class _Transport:
             self.kind = "openai-compatible"
 
     def connection_error(self, error: Exception, request: httpx.Request) -> APIConnectionError:
-        cls = APITimeoutError if isinstance(error, httpx.TimeoutException) else APIConnectionError
-        what = "timed out" if cls is APITimeoutError else "failed"
         detail = _redact(str(error) or type(error).__name__, self.secrets)
         url = str(request.url)
-        return cls(f"request to {url} {what}: {detail}", method=request.method, url=url)
+        if isinstance(error, httpx.TimeoutException):
+            return APITimeoutError(f"request to {url} timed out: {detail}", method=request.method,
+                                   url=url)
+        if isinstance(error, httpx.ConnectError):
+            # Nothing answered at all: most often the local proxy is simply not started.
+            who = "the server" if self.config.known_kind() == "openai-compatible" else "`foretell serve`"
+            return APIConnectionError(f"could not connect to {self.config.base_url}: is {who} running "
+                                      f"there? ({detail})", method=request.method, url=url)
+        return APIConnectionError(f"request to {url} failed: {detail}", method=request.method, url=url)
 
     def status_error(self, response: httpx.Response) -> APIStatusError:
         text = response.text
@@ -137,22 +151,63 @@ class _Transport:
             body: Any = json.loads(text)
         except ValueError:
             body = None
-        return error_from_body(response.status_code, body, request_id=response.headers.get("x-request-id"),
-                               secrets=self.secrets, fallback_text=text)
+        error = error_from_body(response.status_code, body,
+                                request_id=response.headers.get("x-request-id"),
+                                secrets=self.secrets, fallback_text=text)
+        if response.status_code == 404 and not _VERSIONED_PATH.search(self.config.path):
+            # http://127.0.0.1:8000 instead of http://127.0.0.1:8000/v1 gives 404 on every call.
+            error.message += (f" (the base URL usually ends in /v1; this one is "
+                              f"{self.config.base_url})")
+            error.args = (error.message,)
+        return error
 
     def stream_error(self, payload: Any, response: httpx.Response) -> APIStatusError:
         return error_from_body(None, payload, request_id=response.headers.get("x-request-id"),
                                secrets=self.secrets, during_stream=True)
 
-    def retry_delay(self, attempt: int, error: Exception, response: httpx.Response | None) -> float | None:
-        """Seconds to wait before the next try, or None to give up and raise ``error``."""
+    def retry_delay(self, attempt: int, error: Exception, response: httpx.Response | None,
+                    request: httpx.Request, deadline: Deadline | None) -> float | None:
+        """Seconds to wait before the next try (logged), or None to give up and raise ``error``."""
         if attempt >= self.policy.max_retries:
             return None
         if isinstance(error, APIConnectionError):
-            return self.policy.delay(attempt)
-        if isinstance(error, APIStatusError) and retryable_status(error.status_code):
-            return self.policy.delay(attempt, parse_retry_after(response.headers) if response else None)
-        return None
+            delay = self.policy.delay(attempt)
+        elif isinstance(error, APIStatusError) and retryable_status(error.status_code):
+            delay = self.policy.delay(attempt, parse_retry_after(response.headers) if response else None)
+        else:
+            return None
+        why = describe(error)
+        if deadline is not None and delay >= deadline.remaining():
+            logger.info("not retrying %s %s after %s: the deadline would pass first",
+                        request.method, self.safe_url(request), why)
+            return None
+        logger.info("retrying %s %s in %.2f s (retry %d of %d) after %s", request.method,
+                    self.safe_url(request), delay, attempt + 1, self.policy.max_retries, why)
+        return delay
+
+    def safe_url(self, request: httpx.Request) -> str:
+        return _redact(str(request.url), self.secrets)
+
+    def prepare_attempt(self, request: httpx.Request, timeout: Any, deadline: Deadline | None) -> None:
+        """Raises the deadline's error when no time is left, else cuts the timeouts to it."""
+        if deadline is None:
+            return
+        if deadline.expired():
+            raise deadline.error(request)
+        request.extensions["timeout"] = deadline.clip(timeout)
+
+    def log_response(self, request: httpx.Request, response: httpx.Response) -> None:
+        logger.debug("%s %s -> %d (request %s)", request.method, self.safe_url(request),
+                     response.status_code, response.headers.get("x-request-id") or "-")
+
+
+def describe(error: Exception) -> str:
+    """For the logs: the status and request id of an error answer, else the error's class and
+    its message (already redacted)."""
+    if isinstance(error, APIStatusError):
+        return (f"{error.status_code} {type(error).__name__} "
+                f"(request {error.request_id or '-'})")
+    return f"{type(error).__name__}: {error}"
 
 
 class SyncTransport(_Transport):
@@ -164,29 +219,40 @@ class SyncTransport(_Transport):
 
     def send(self, method: str, path: str, body: dict | None = None, *, stream: bool = False,
              extra_headers: dict | None = None, timeout: Any = None,
-             raise_status: bool = True) -> httpx.Response:
+             raise_status: bool = True, deadline: Deadline | None = None) -> httpx.Response:
         """The response, read unless ``stream`` (a streaming response is open: the caller
-        closes it). Errors are raised once the retries are spent; with ``raise_status`` False an
-        error status is returned instead (after the same retries)."""
+        closes it, and releases ``deadline``'s guard first). Errors are raised once the retries
+        are spent; with ``raise_status`` False an error status is returned instead (after the
+        same retries)."""
         request = self.build(self.http, method, path, body, stream, extra_headers, timeout)
+        timeout = self.timeout if timeout is None else as_timeout(timeout)
         attempt = 0
         while True:
+            self.prepare_attempt(request, timeout, deadline)
             response = None
             try:
+                logger.debug("%s %s", method, self.safe_url(request))
                 response = self.http.send(request, stream=True)
+                self.log_response(request, response)
                 self.learn_kind(response)
+                if deadline is not None:
+                    deadline.guard(response)
                 if stream and response.status_code < 400:
                     return response
                 try:
                     response.read()
                 finally:
+                    if deadline is not None:
+                        deadline.release()
                     response.close()
                 if response.status_code < 400:
                     return response
                 error: Exception = self.status_error(response)
             except httpx.TransportError as exc:
+                if deadline is not None and deadline.expired():
+                    raise deadline.error(request) from None
                 error = self.connection_error(exc, request)
-            delay = self.retry_delay(attempt, error, response)
+            delay = self.retry_delay(attempt, error, response, request, deadline)
             if delay is None:
                 if isinstance(error, APIStatusError) and not raise_status:
                     return response  # the caller reads the status itself (the probe)
@@ -194,10 +260,10 @@ class SyncTransport(_Transport):
             self.sleep(delay)
             attempt += 1
 
-    def server_kind(self) -> str:
+    def server_kind(self, deadline: Deadline | None = None) -> str:
         """'foretell' or 'openai-compatible'; asks the server once (GET /models) if unknown."""
         if self.kind is None:
-            self.send("GET", "/models", raise_status=False)
+            self.send("GET", "/models", raise_status=False, deadline=deadline)
         return self.kind or "openai-compatible"
 
 
@@ -210,26 +276,32 @@ class AsyncTransport(_Transport):
 
     async def send(self, method: str, path: str, body: dict | None = None, *, stream: bool = False,
                    extra_headers: dict | None = None, timeout: Any = None,
-                   raise_status: bool = True) -> httpx.Response:
+                   raise_status: bool = True, deadline: Deadline | None = None) -> httpx.Response:
         request = self.build(self.http, method, path, body, stream, extra_headers, timeout)
+        timeout = self.timeout if timeout is None else as_timeout(timeout)
         attempt = 0
         while True:
+            self.prepare_attempt(request, timeout, deadline)
             response = None
             try:
-                response = await self.http.send(request, stream=True)
+                logger.debug("%s %s", method, self.safe_url(request))
+                response = await within(deadline, request, self.http.send(request, stream=True))
+                self.log_response(request, response)
                 self.learn_kind(response)
                 if stream and response.status_code < 400:
                     return response
                 try:
-                    await response.aread()
+                    await within(deadline, request, response.aread())
                 finally:
                     await response.aclose()
                 if response.status_code < 400:
                     return response
                 error: Exception = self.status_error(response)
             except httpx.TransportError as exc:
+                if deadline is not None and deadline.expired():
+                    raise deadline.error(request) from None
                 error = self.connection_error(exc, request)
-            delay = self.retry_delay(attempt, error, response)
+            delay = self.retry_delay(attempt, error, response, request, deadline)
             if delay is None:
                 if isinstance(error, APIStatusError) and not raise_status:
                     return response  # the caller reads the status itself (the probe)
@@ -237,7 +309,7 @@ class AsyncTransport(_Transport):
             await self.sleep(delay)
             attempt += 1
 
-    async def server_kind(self) -> str:
+    async def server_kind(self, deadline: Deadline | None = None) -> str:
         if self.kind is None:
-            await self.send("GET", "/models", raise_status=False)
+            await self.send("GET", "/models", raise_status=False, deadline=deadline)
         return self.kind or "openai-compatible"

@@ -8,7 +8,13 @@
 - ``prompt_lookup=`` / ``max_draft=``: sent as foretell's ``speculation`` extension to foretell
   servers; for other servers they are dropped, with one ``ForetellWarning`` per client when they
   asked for something (prompt lookup only changes speed, never the text);
-- ``extra_body=`` / ``extra_headers=`` / ``timeout=``: passed through as in the openai package.
+- ``extra_body=`` / ``extra_headers=`` / ``timeout=``: passed through as in the openai package;
+- ``deadline=``: seconds the whole call may take (retries and a stream's reading included),
+  overriding the client's.
+
+``client.with_raw_response.chat.completions.create(...)`` (or
+``client.chat.completions.with_raw_response.create(...)``) returns a ``RawResponse`` instead:
+the HTTP status and headers, and ``.parse()`` for the typed object.
 """
 
 from __future__ import annotations
@@ -16,9 +22,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from foretell.sdk._deadline import Deadline, check_seconds
 from foretell.sdk.errors import ForetellError, _redact
 from foretell.sdk.estimates import prediction_issues
 from foretell.sdk.prediction import PredictionInput, normalize_prediction
+from foretell.sdk.raw_response import RawResponse
 from foretell.sdk.streaming import AsyncStream, Stream
 from foretell.sdk.types import ChatCompletion, ChatCompletionChunk, Completion, ModelList
 
@@ -49,6 +57,7 @@ class PreparedCall:
     chunk_type: type
     extra_headers: dict | None = None
     timeout: Any = None
+    deadline: float | None = None  # seconds; None: the client's
     speculation: dict | None = None  # foretell's extension, sent to foretell servers only
     issues: list[str] = field(default_factory=list)  # OpenAI prediction limits this call hits
 
@@ -71,7 +80,8 @@ class PreparedCall:
 
 def prepare_call(endpoint: str, required: dict, *, prediction: PredictionInput, prompt_lookup: bool | None,
                  max_draft: int | None, stream: bool, params: dict, extra_body: dict | None,
-                 extra_headers: dict | None, timeout: Any, openai_target: bool) -> PreparedCall:
+                 extra_headers: dict | None, timeout: Any, deadline: float | None,
+                 openai_target: bool) -> PreparedCall:
     allowed = CHAT_PARAMS if endpoint == "chat" else COMPLETION_PARAMS
     unknown = sorted(set(params) - allowed)
     if unknown:
@@ -101,7 +111,7 @@ def prepare_call(endpoint: str, required: dict, *, prediction: PredictionInput, 
     else:
         path, response_type, chunk_type = "/completions", Completion, Completion
     return PreparedCall(path, body, stream, response_type, chunk_type, extra_headers, timeout,
-                        speculation, issues)
+                        None if deadline is None else check_seconds(deadline), speculation, issues)
 
 
 def _parse(call_type: type, response, secrets) -> Any:
@@ -117,11 +127,25 @@ def _parse(call_type: type, response, secrets) -> Any:
 
 
 class _Resource:
-    def __init__(self, client):
+    def __init__(self, client, raw: bool = False):
         self._client = client
+        self._raw = raw  # return a RawResponse rather than the parsed object
+
+    @property
+    def with_raw_response(self):
+        """This resource, its calls returning a ``RawResponse``."""
+        return type(self)(self._client, raw=True)
 
     def _prepare(self, endpoint: str, required: dict, **kwargs) -> PreparedCall:
         return prepare_call(endpoint, required, openai_target=self._client._config.is_openai, **kwargs)
+
+    def _deadline(self, seconds: float | None = None) -> Deadline | None:
+        """The call's deadline, starting now (the client's when the call sets none)."""
+        seconds = self._client._deadline if seconds is None else seconds
+        return None if seconds is None else Deadline(seconds)
+
+    def _result(self, response, parse):
+        return RawResponse(response, parse) if self._raw else parse()
 
 
 class _SyncResource(_Resource):
@@ -129,13 +153,15 @@ class _SyncResource(_Resource):
 
     def _run(self, call: PreparedCall):
         transport = self._client._transport
-        kind = transport.server_kind() if call.needs_server_kind else transport.kind
+        deadline = self._deadline(call.deadline)
+        kind = transport.server_kind(deadline) if call.needs_server_kind else transport.kind
         call.finalize(kind, self._client._warn_once)
         response = transport.send("POST", call.path, call.body, stream=call.stream,
-                                  extra_headers=call.extra_headers, timeout=call.timeout)
+                                  extra_headers=call.extra_headers, timeout=call.timeout,
+                                  deadline=deadline)
         if call.stream:
-            return Stream(response, call.chunk_type, transport)
-        return _parse(call.response_type, response, transport.secrets)
+            return self._result(response, lambda: Stream(response, call.chunk_type, transport, deadline))
+        return self._result(response, lambda: _parse(call.response_type, response, transport.secrets))
 
 
 class _AsyncResource(_Resource):
@@ -143,50 +169,57 @@ class _AsyncResource(_Resource):
 
     async def _run(self, call: PreparedCall):
         transport = self._client._transport
-        kind = (await transport.server_kind()) if call.needs_server_kind else transport.kind
+        deadline = self._deadline(call.deadline)
+        kind = (await transport.server_kind(deadline)) if call.needs_server_kind else transport.kind
         call.finalize(kind, self._client._warn_once)
         response = await transport.send("POST", call.path, call.body, stream=call.stream,
-                                        extra_headers=call.extra_headers, timeout=call.timeout)
+                                        extra_headers=call.extra_headers, timeout=call.timeout,
+                                        deadline=deadline)
         if call.stream:
-            return AsyncStream(response, call.chunk_type, transport)
-        return _parse(call.response_type, response, transport.secrets)
+            return self._result(response,
+                                lambda: AsyncStream(response, call.chunk_type, transport, deadline))
+        return self._result(response, lambda: _parse(call.response_type, response, transport.secrets))
 
 
 class ChatCompletions(_SyncResource):
     def create(self, *, model: str, messages: list[dict], prediction: PredictionInput = None,
                prompt_lookup: bool | None = None, max_draft: int | None = None, stream: bool = False,
                extra_body: dict | None = None, extra_headers: dict | None = None, timeout: Any = None,
+               deadline: float | None = None,
                **params: Any) -> ChatCompletion | Stream[ChatCompletionChunk]:
         """POST /chat/completions. ``params``: OpenAI's chat parameters (``CHAT_PARAMS``).
         With ``stream=True`` returns a ``Stream`` of ``ChatCompletionChunk``."""
         return self._run(self._prepare(
             "chat", {"model": model, "messages": messages}, prediction=prediction,
             prompt_lookup=prompt_lookup, max_draft=max_draft, stream=stream, params=params,
-            extra_body=extra_body, extra_headers=extra_headers, timeout=timeout))
+            extra_body=extra_body, extra_headers=extra_headers, timeout=timeout,
+            deadline=deadline))
 
 
 class Completions(_SyncResource):
     def create(self, *, model: str, prompt: str | list[str], prediction: PredictionInput = None,
                prompt_lookup: bool | None = None, max_draft: int | None = None, stream: bool = False,
                extra_body: dict | None = None, extra_headers: dict | None = None, timeout: Any = None,
-               **params: Any) -> Completion | Stream[Completion]:
+               deadline: float | None = None, **params: Any) -> Completion | Stream[Completion]:
         """POST /completions. ``params``: OpenAI's completion parameters (``COMPLETION_PARAMS``).
         With ``stream=True`` returns a ``Stream`` of ``Completion`` chunks."""
         return self._run(self._prepare(
             "completions", {"model": model, "prompt": prompt}, prediction=prediction,
             prompt_lookup=prompt_lookup, max_draft=max_draft, stream=stream, params=params,
-            extra_body=extra_body, extra_headers=extra_headers, timeout=timeout))
+            extra_body=extra_body, extra_headers=extra_headers, timeout=timeout,
+            deadline=deadline))
 
 
 class Models(_SyncResource):
     def list(self) -> ModelList:
         transport = self._client._transport
-        return _parse(ModelList, transport.send("GET", "/models"), transport.secrets)
+        response = transport.send("GET", "/models", deadline=self._deadline())
+        return self._result(response, lambda: _parse(ModelList, response, transport.secrets))
 
 
 class Chat:
-    def __init__(self, client):
-        self.completions = ChatCompletions(client)
+    def __init__(self, client, raw: bool = False):
+        self.completions = ChatCompletions(client, raw)
 
 
 class AsyncChatCompletions(_AsyncResource):
@@ -194,12 +227,14 @@ class AsyncChatCompletions(_AsyncResource):
                      prompt_lookup: bool | None = None, max_draft: int | None = None,
                      stream: bool = False, extra_body: dict | None = None,
                      extra_headers: dict | None = None, timeout: Any = None,
+                     deadline: float | None = None,
                      **params: Any) -> ChatCompletion | AsyncStream[ChatCompletionChunk]:
         """As ``ChatCompletions.create``; a stream is an ``AsyncStream``."""
         return await self._run(self._prepare(
             "chat", {"model": model, "messages": messages}, prediction=prediction,
             prompt_lookup=prompt_lookup, max_draft=max_draft, stream=stream, params=params,
-            extra_body=extra_body, extra_headers=extra_headers, timeout=timeout))
+            extra_body=extra_body, extra_headers=extra_headers, timeout=timeout,
+            deadline=deadline))
 
 
 class AsyncCompletions(_AsyncResource):
@@ -207,20 +242,33 @@ class AsyncCompletions(_AsyncResource):
                      prompt_lookup: bool | None = None, max_draft: int | None = None,
                      stream: bool = False, extra_body: dict | None = None,
                      extra_headers: dict | None = None, timeout: Any = None,
+                     deadline: float | None = None,
                      **params: Any) -> Completion | AsyncStream[Completion]:
         """As ``Completions.create``; a stream is an ``AsyncStream``."""
         return await self._run(self._prepare(
             "completions", {"model": model, "prompt": prompt}, prediction=prediction,
             prompt_lookup=prompt_lookup, max_draft=max_draft, stream=stream, params=params,
-            extra_body=extra_body, extra_headers=extra_headers, timeout=timeout))
+            extra_body=extra_body, extra_headers=extra_headers, timeout=timeout,
+            deadline=deadline))
 
 
 class AsyncModels(_AsyncResource):
     async def list(self) -> ModelList:
         transport = self._client._transport
-        return _parse(ModelList, await transport.send("GET", "/models"), transport.secrets)
+        response = await transport.send("GET", "/models", deadline=self._deadline())
+        return self._result(response, lambda: _parse(ModelList, response, transport.secrets))
 
 
 class AsyncChat:
-    def __init__(self, client):
-        self.completions = AsyncChatCompletions(client)
+    def __init__(self, client, raw: bool = False):
+        self.completions = AsyncChatCompletions(client, raw)
+
+
+class RawResources:
+    """``client.with_raw_response``: the client's resources, each call returning a
+    ``RawResponse``."""
+
+    def __init__(self, client, chat: type, completions: type, models: type):
+        self.chat = chat(client, raw=True)
+        self.completions = completions(client, raw=True)
+        self.models = models(client, raw=True)

@@ -8,7 +8,8 @@ early drops the connection, which makes the foretell proxy cancel the generation
 
 An ``error`` event after the stream started raises the typed error (``APIStatusError`` subclass
 with ``during_stream=True``) after the chunks before it were delivered. A connection that breaks
-mid-stream raises ``APIConnectionError``; nothing is retried once a chunk was delivered.
+mid-stream raises ``APIConnectionError``; nothing is retried once a chunk was delivered. A call's
+``deadline`` runs on while the stream is read: past it, ``APITimeoutError``.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from typing import Any, AsyncIterator, Generic, Iterator, TypeVar
 
 import httpx
 
+from foretell.sdk._deadline import Deadline, within
 from foretell.sdk.errors import APIConnectionError, ForetellError, _redact
 
 T = TypeVar("T")
@@ -71,12 +73,16 @@ class _Events:
 
     DONE = object()
 
-    def __init__(self, response: httpx.Response, chunk_type: type, transport) -> None:
+    def __init__(self, response: httpx.Response, chunk_type: type, transport,
+                 deadline: Deadline | None = None) -> None:
         self.response, self.chunk_type, self.transport = response, chunk_type, transport
+        self.deadline = deadline
         self.finished = False  # [DONE] or a finish_reason seen
 
     def handle(self, event: ServerSentEvent | None):
         """A chunk, None (nothing to deliver), or DONE; raises the typed error events."""
+        if self.deadline is not None and self.deadline.expired():
+            raise self.deadline.error(self.response.request)
         if event is None or not event.data:
             return None
         if event.data.strip() == "[DONE]":
@@ -101,15 +107,23 @@ class _Events:
                                      method=self.response.request.method, url=str(self.response.request.url))
 
     def broken(self, error: httpx.TransportError) -> APIConnectionError:
+        if self.deadline is not None and self.deadline.expired():
+            # The deadline's timer shut the socket, or a read's cut timeout ran out.
+            return self.deadline.error(self.response.request)
         return self.transport.connection_error(error, self.response.request)
+
+    def release(self) -> None:
+        if self.deadline is not None:
+            self.deadline.release()
 
 
 class Stream(Generic[T]):
     """An iterator of typed chunks; usable as a context manager."""
 
-    def __init__(self, response: httpx.Response, chunk_type: type, transport) -> None:
+    def __init__(self, response: httpx.Response, chunk_type: type, transport,
+                 deadline: Deadline | None = None) -> None:
         self.response = response
-        self._events = _Events(response, chunk_type, transport)
+        self._events = _Events(response, chunk_type, transport, deadline)
         self._iterator = self._iterate()
 
     @property
@@ -140,11 +154,13 @@ class Stream(Generic[T]):
                 raise events.broken(error) from None
             events.at_end()
         finally:
+            events.release()
             self.response.close()
 
     def close(self) -> None:
         """Stop early: closes the generator and the connection."""
         self._iterator.close()
+        self._events.release()
         self.response.close()
 
     def __del__(self) -> None:
@@ -164,9 +180,10 @@ class Stream(Generic[T]):
 class AsyncStream(Generic[T]):
     """An async iterator of typed chunks; usable as an async context manager."""
 
-    def __init__(self, response: httpx.Response, chunk_type: type, transport) -> None:
+    def __init__(self, response: httpx.Response, chunk_type: type, transport,
+                 deadline: Deadline | None = None) -> None:
         self.response = response
-        self._events = _Events(response, chunk_type, transport)
+        self._events = _Events(response, chunk_type, transport, deadline)
         self._iterator = self._iterate()
 
     @property
@@ -182,9 +199,15 @@ class AsyncStream(Generic[T]):
     async def _iterate(self) -> AsyncIterator[T]:
         events = self._events
         decoder = SSEDecoder()
+        lines = self.response.aiter_lines()
         try:
             try:
-                async for line in self.response.aiter_lines():
+                while True:
+                    try:
+                        # Each wait ends at the deadline, if the call has one.
+                        line = await within(events.deadline, self.response.request, lines.__anext__())
+                    except StopAsyncIteration:
+                        break
                     item = events.handle(decoder.feed(line))
                     if item is events.DONE:
                         return

@@ -241,3 +241,52 @@ def test_a_number_timeout_keeps_a_short_connect_timeout():
     assert Client("http://test.local/v1", KEY, timeout=2)._transport.timeout.connect == 2.0
     exact = httpx.Timeout(5.0, connect=60.0)
     assert Client("http://test.local/v1", KEY, timeout=exact)._transport.timeout is exact
+
+
+# ---- hints in the messages ----------------------------------------------------------------------
+
+def test_nothing_listening_asks_whether_foretell_serve_runs_there():
+    from tests.sdk.conftest import free_port
+
+    base = f"http://127.0.0.1:{free_port()}/v1"
+    with Client(base, max_retries=0) as client:
+        with pytest.raises(APIConnectionError) as caught:
+            client.chat.completions.create(**CHAT)
+    assert type(caught.value) is APIConnectionError
+    assert str(caught.value).startswith(f"could not connect to {base}: is `foretell serve` running "
+                                        "there? (")
+    assert "refused" in str(caught.value).lower()
+
+
+def test_a_hosted_api_that_cannot_be_reached_gets_no_foretell_hint():
+    script = Script(httpx.ConnectError("no route to host"))
+    client = Client("https://api.openai.com/v1", KEY, max_retries=0,
+                    http_client=httpx.Client(transport=script.transport()))
+    with pytest.raises(APIConnectionError, match="is the server running there") as caught:
+        client.chat.completions.create(**CHAT)
+    assert "foretell serve" not in str(caught.value)
+
+
+@pytest.mark.parametrize("base,hinted", [
+    ("http://test.local", True), ("http://test.local/api", True),
+    ("http://test.local/v1", False), ("https://gateway.local/openai/v1", False),
+])
+def test_a_404_from_a_base_url_without_v1_says_it_usually_ends_in_v1(base, hinted):
+    script = Script(error(404, "Not Found"))
+    client = Client(base, KEY, max_retries=0, http_client=httpx.Client(transport=script.transport()))
+    with pytest.raises(NotFoundError) as caught:
+        client.chat.completions.create(**CHAT)
+    err = caught.value
+    assert ("the base URL usually ends in /v1" in str(err)) is hinted
+    assert err.message.startswith("Not Found") and err.status_code == 404
+    if hinted:
+        assert base in err.message
+
+
+def test_other_statuses_get_no_v1_hint():
+    script = Script(error(400, "bad"))
+    client = Client("http://test.local", KEY, max_retries=0,
+                    http_client=httpx.Client(transport=script.transport()))
+    with pytest.raises(BadRequestError) as caught:
+        client.chat.completions.create(**CHAT)
+    assert caught.value.message == "bad"
