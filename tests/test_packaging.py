@@ -44,3 +44,41 @@ def test_kernels_import_without_triton():
         "import foretell, foretell.sdk, foretell.proxy", "import foretell.kernels")
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert result.returncode == 0, result.stderr
+
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_a_wheel_carries_the_license_and_the_py_typed_markers(tmp_path):
+    # Built from a copy, so that setuptools' build/ and egg-info never land in the checkout;
+    # without build isolation, so that no index is needed.
+    import shutil
+    import zipfile
+
+    source = tmp_path / "src"
+    source.mkdir()
+    for name in ("pyproject.toml", "README.md", "LICENSE"):
+        shutil.copy(ROOT / name, source / name)
+    for folder in ("foretell", "sdk", "proxy", "kernels"):
+        shutil.copytree(ROOT / folder, source / folder, ignore=shutil.ignore_patterns("__pycache__"))
+    result = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation",
+                             "-q", str(source), "-w", str(tmp_path / "dist")],
+                            capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr
+    (wheel,) = (tmp_path / "dist").glob("foretell-*.whl")
+    names = set(zipfile.ZipFile(wheel).namelist())
+    assert {"foretell/py.typed", "foretell/sdk/py.typed", "foretell/__main__.py"} <= names
+    license_files = [n for n in names if n.endswith("/LICENSE") and ".dist-info/" in n]
+    assert license_files, sorted(names)
+    text = zipfile.ZipFile(wheel).read(license_files[0]).decode()
+    assert "Apache License" in text and "Version 2.0, January 2004" in text
+    assert "END OF TERMS AND CONDITIONS" in text
+
+
+def test_the_license_file_is_the_apache_2_0_text_pyproject_names():
+    text = (ROOT / "LICENSE").read_text()
+    assert 'license = { text = "Apache-2.0" }' in (ROOT / "pyproject.toml").read_text()
+    for heading in ("1. Definitions.", "2. Grant of Copyright License.", "3. Grant of Patent License.",
+                    "4. Redistribution.", "7. Disclaimer of Warranty.", "8. Limitation of Liability.",
+                    "9. Accepting Warranty or Additional Liability."):
+        assert heading in text
