@@ -144,6 +144,19 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--max-queue", type=_positive_int, default=int(env("FORETELL_MAX_QUEUE", "16")),
                        help="requests waiting for the engine before 429 (default: 16) "
                             "(env: FORETELL_MAX_QUEUE)")
+    serve.add_argument("--max-running", type=_positive_int,
+                       default=int(env("FORETELL_MAX_RUNNING", "16")),
+                       help="requests batched into each target pass at once; more wait in the queue "
+                            "(default: 16) (env: FORETELL_MAX_RUNNING)")
+    serve.add_argument("--kv-cache-tokens", type=_positive_int,
+                       default=int(env("FORETELL_KV_CACHE_TOKENS", "65536")),
+                       help="KV cache capacity in tokens (full-attention layers; sliding-window "
+                            "layers keep only their window); a request that can never fit is "
+                            "refused with 400 (default: 65536) (env: FORETELL_KV_CACHE_TOKENS)")
+    serve.add_argument("--prefill-chunk", type=_positive_int,
+                       default=int(env("FORETELL_PREFILL_CHUNK", "256")),
+                       help="prompt tokens prefilled per step, so a long prompt stalls running "
+                            "streams by one chunk at most (default: 256) (env: FORETELL_PREFILL_CHUNK)")
     serve.add_argument("--max-body-bytes", type=_positive_int,
                        default=int(env("FORETELL_MAX_BODY_BYTES", str(4 * 1024 * 1024))),
                        help="largest request body, else 413 (default: 4 MiB) (env: FORETELL_MAX_BODY_BYTES)")
@@ -282,7 +295,8 @@ def run_serve(args: argparse.Namespace) -> int:
         model=args.model, served_model_name=args.served_model_name, api_keys=tuple(args.api_key),
         max_queue=args.max_queue, max_body_bytes=args.max_body_bytes,
         max_prediction_chars=args.max_prediction_chars, default_max_tokens=args.default_max_tokens,
-        calibrate=not args.no_calibrate, routes=routes,
+        calibrate=not args.no_calibrate, routes=routes, max_running=args.max_running,
+        kv_cache_tokens=args.kv_cache_tokens, prefill_chunk=args.prefill_chunk,
     )
     print(f"foretell: serving on http://{args.host}:{args.port}/v1 (loading the model; "
           "/health answers 503 until it is ready)", file=sys.stderr, flush=True)

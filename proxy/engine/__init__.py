@@ -1,19 +1,20 @@
 """foretell.proxy.engine: the local speculative engine.
 
-Sequences, the batched step, the KV cache and the scheduler that feeds it, the draft sources and
-how much to draft, sampling, stopping and detokenisation. It never imports the HTTP server.
+Sequences (``sequence.py``), the batched step (``engine.py``), the paged KV cache
+(``kv_cache.py``) and the scheduler that feeds it (``scheduler.py``); draft sources and how much
+to draft, sampling, detokenisation. It never imports the HTTP server.
 """
 
 from foretell.proxy.engine.engine import (
+    CacheFullError,
     GenerationRequest,
     GenerationResult,
     GenerationStats,
+    Sequence,
+    SequenceUpdate,
     SpeculativeEngine,
     TokenLogprob,
-    new_cache,
-    prefill,
-    verify_draft,
 )
 
-__all__ = ["GenerationRequest", "GenerationResult", "GenerationStats", "SpeculativeEngine",
-           "TokenLogprob", "new_cache", "prefill", "verify_draft"]
+__all__ = ["CacheFullError", "GenerationRequest", "GenerationResult", "GenerationStats", "Sequence",
+           "SequenceUpdate", "SpeculativeEngine", "TokenLogprob"]

@@ -2,14 +2,23 @@
 
 A round that verifies ``k`` draft tokens with per-token acceptance ``a`` yields on average
 ``(1 - a**(k+1)) / (1 - a)`` tokens (the accepted prefix plus the target's own token) and costs
-one target pass over ``k + 1`` positions. We pick the source and ``k`` that maximise
-tokens / cost. ``k = 0`` is plain decoding, so a source that keeps missing is simply not used.
+one target pass over ``k + 1`` positions. ``k = 0`` is plain decoding, so a source that keeps
+missing is simply not used.
+
+Under batching one pass serves every running sequence, so the draft lengths of a step are chosen
+together (``choose_step_drafts``): they maximise the step's expected tokens over the cost of a
+pass over all its positions. As the batch grows the fixed part of a pass is shared and each
+drafted position's cost weighs more, so drafts shrink; a choice never falls below the rate of
+the same step without drafts. The pass cost is fitted online from the passes actually run
+(``OnlinePassCost``), the start-up measurement only a prior.
 """
 
 from __future__ import annotations
 
 import math
+import statistics
 import time
+from collections import deque
 from dataclasses import dataclass
 
 # Draft lengths considered each round (plus the longest the source can offer).
@@ -27,13 +36,19 @@ class PassCostModel:
     per_position: float
 
     def cost(self, draft_length: int) -> float:
-        return self.fixed + self.per_position * (draft_length + 1)
+        """One sequence's pass: the pending token plus ``draft_length`` drafts."""
+        return self.at(draft_length + 1)
+
+    def at(self, positions: int) -> float:
+        """A pass over ``positions`` new positions in all."""
+        return self.fixed + self.per_position * positions
 
     def __add__(self, other: "PassCostModel") -> "PassCostModel":
         return PassCostModel(self.fixed + other.fixed, self.per_position + other.per_position)
 
     @classmethod
-    def measure(cls, forward_positions, positions=(1, 17, 65), repeats: int = 3) -> "PassCostModel":
+    def measure(cls, forward_positions, positions=(1, 17, 65), repeats: int = 3,
+                clock=time.perf_counter) -> "PassCostModel":
         """Time ``forward_positions(n)`` (one pass over n new positions) and fit a line.
 
         Takes the median of ``repeats`` runs per size after one warm-up; a least-squares line
@@ -44,18 +59,70 @@ class PassCostModel:
         for n in positions:
             times = []
             for _ in range(repeats):
-                started = time.perf_counter()
+                started = clock()
                 forward_positions(n)
-                times.append(time.perf_counter() - started)
+                times.append(clock() - started)
             times.sort()
             medians.append(times[len(times) // 2])
-        mean_n = sum(positions) / len(positions)
-        mean_t = sum(medians) / len(medians)
-        var_n = sum((n - mean_n) ** 2 for n in positions)
-        slope = sum((n - mean_n) * (t - mean_t) for n, t in zip(positions, medians)) / var_n
-        slope = max(slope, 1e-9)
-        fixed = max(mean_t - slope * mean_n, slope)
-        return cls(fixed=fixed, per_position=slope)
+        return fit_line(list(positions), medians)
+
+
+def fit_line(positions: list[float], times: list[float], weights: list[float] | None = None) -> PassCostModel:
+    """Weighted least-squares line ``t = fixed + per_position * n``, guarded so that noise can
+    never give a negative slope or a fixed part below one position's cost."""
+    weights = weights or [1.0] * len(positions)
+    total = sum(weights)
+    mean_n = sum(w * n for w, n in zip(weights, positions)) / total
+    mean_t = sum(w * t for w, t in zip(weights, times)) / total
+    var_n = sum(w * (n - mean_n) ** 2 for w, n in zip(weights, positions))
+    slope = sum(w * (n - mean_n) * (t - mean_t) for w, n, t in zip(weights, positions, times)) / var_n
+    slope = max(slope, 1e-9)
+    fixed = max(mean_t - slope * mean_n, slope)
+    return PassCostModel(fixed=fixed, per_position=slope)
+
+
+class OnlinePassCost:
+    """The pass cost fitted from the passes actually run, robust to outliers.
+
+    Passes are bucketed by their number of positions (powers of two); each bucket keeps its
+    last ``window`` timings and counts by their medians, so a pass slowed by other load moves
+    nothing. With two or more buckets observed, the line is fitted through the bucket medians
+    alone; with one, the prior line is rescaled to it; with none, the prior (the start-up
+    measurement, or the reference machine's default) stands.
+    """
+
+    def __init__(self, prior: PassCostModel, window: int = 32):
+        self.prior = prior
+        self.window = window
+        self.buckets: dict[int, deque] = {}
+        self._current = prior
+
+    def observe(self, positions: int, seconds: float) -> None:
+        if positions < 1 or not seconds > 0:
+            return
+        bucket = self.buckets.setdefault(positions.bit_length(), deque(maxlen=self.window))
+        bucket.append((positions, seconds))
+        self._current = None
+
+    def reset(self, prior: PassCostModel) -> None:
+        self.prior, self.buckets, self._current = prior, {}, prior
+
+    @property
+    def model(self) -> PassCostModel:
+        if self._current is None:
+            self._current = self._fit()
+        return self._current
+
+    def _fit(self) -> PassCostModel:
+        points = [(statistics.median(n for n, _ in b), statistics.median(t for _, t in b), len(b))
+                  for b in self.buckets.values() if b]
+        if not points:
+            return self.prior
+        if len(points) == 1:
+            n, t, _ = points[0]
+            scale = t / self.prior.at(n)
+            return PassCostModel(self.prior.fixed * scale, self.prior.per_position * scale)
+        return fit_line([p[0] for p in points], [p[1] for p in points], [math.sqrt(p[2]) for p in points])
 
 
 # Measured on the reference CPU machine for Gemma 3 270M (see design.md): a default for when no
@@ -119,12 +186,85 @@ def best_draft_length(acceptance: float, available: int, cost: PassCostModel,
     one, its current agreement run. With both, the more cautious expectation counts.
     """
     best_length, best_rate = 0, 1.0 / cost.cost(0)
-    lengths = [n for n in CANDIDATE_LENGTHS if n < available] + ([available] if available > 0 else [])
-    for length in lengths:
-        expected = expected_tokens(acceptance, length)
-        if run is not None:
-            expected = expected_tokens_after_run(run, length)
-        rate = expected / cost.cost(length)
+    for length in candidate_lengths(available):
+        rate = expected_yield(acceptance, run, length) / cost.cost(length)
         if rate > best_rate:
             best_length, best_rate = length, rate
     return best_length, best_rate
+
+
+def candidate_lengths(available: int) -> list[int]:
+    return [n for n in CANDIDATE_LENGTHS if n < available] + ([available] if available > 0 else [])
+
+
+def expected_yield(acceptance: float, run: float | None, length: int) -> float:
+    """Mean tokens of a round drafting ``length`` tokens. A source's agreement run is evidence
+    of long copies, its measured acceptance of how often it misses: the more cautious counts,
+    so a source that keeps re-anchoring on a false match and missing earns no long drafts."""
+    expected = expected_tokens(acceptance, length)
+    if run is not None:
+        expected = min(expected, expected_tokens_after_run(run, length))
+    return expected
+
+
+@dataclass(frozen=True)
+class DraftOption:
+    """What one source offers one sequence this step."""
+
+    source: str
+    acceptance: float
+    run: float | None
+    available: int  # tokens it can propose
+
+
+def choose_step_drafts(options: list[list[DraftOption]], fixed_positions: int, cost: PassCostModel,
+                       extra_costs: list[PassCostModel | None] | None = None,
+                       max_positions: int | None = None, sweeps: int = 3) -> list[tuple[str | None, int]]:
+    """Choose every verifying sequence's source and draft length for one pass.
+
+    ``options[i]``: the sources sequence i may draft from; ``fixed_positions``: positions the
+    pass holds anyway (each sequence's pending token, prefill chunks); ``extra_costs[i]``: a
+    per-sequence cost on top of the pass (the sampling verify), or None. Maximises expected
+    tokens of the step per unit of its cost by coordinate ascent from "no drafts", so the
+    result is never worse than plain decoding of the same batch by the model's own estimate.
+    """
+    count = len(options)
+    extra_costs = extra_costs or [None] * count
+    chosen: list[tuple[DraftOption | None, int]] = [(None, 0)] * count
+
+    def extra(i: int, length: int) -> float:
+        return extra_costs[i].cost(length) if extra_costs[i] is not None else 0.0
+
+    def yield_of(i: int, option: DraftOption | None, length: int) -> float:
+        return 1.0 if option is None or length == 0 else expected_yield(option.acceptance, option.run, length)
+
+    tokens = float(count)
+    drafted = 0
+    extras = sum(extra(i, 0) for i in range(count))
+    for _ in range(sweeps):
+        changed = False
+        for i in range(count):
+            option, length = chosen[i]
+            base_tokens = tokens - yield_of(i, option, length)
+            base_drafted = drafted - length
+            base_extras = extras - extra(i, length)
+            best = (option, length)
+            best_rate = tokens / (cost.at(fixed_positions + drafted) + extras)
+            for candidate in options[i]:
+                for n in candidate_lengths(candidate.available):
+                    if max_positions is not None and fixed_positions + base_drafted + n > max_positions:
+                        break
+                    rate = ((base_tokens + yield_of(i, candidate, n))
+                            / (cost.at(fixed_positions + base_drafted + n) + base_extras + extra(i, n)))
+                    if rate > best_rate * (1 + 1e-9):
+                        best, best_rate = (candidate, n), rate
+            if best != chosen[i]:
+                changed = True
+                chosen[i] = best
+                tokens = base_tokens + yield_of(i, *best)
+                drafted = base_drafted + best[1]
+                extras = base_extras + extra(i, best[1])
+        if not changed:
+            break
+    return [(option.source, length) if option is not None and length > 0 else (None, 0)
+            for option, length in chosen]

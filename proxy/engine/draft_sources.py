@@ -1,6 +1,6 @@
 """Draft sources: cheap guesses of the next tokens, verified later by the target model.
 
-Each source answers two calls:
+Each source answers three calls:
 - ``propose(max_tokens)``: up to ``max_tokens`` draft token ids continuing the output (may be empty);
 - ``observe(output_ids, output_text)``: the output after a round, so the source can follow it;
 - ``agreement_run()``: for how many tokens in a row the source has agreed with the output
@@ -120,7 +120,9 @@ class PromptLookupSource:
 
     An index from ``min_ngram``-grams to their end positions is kept up to date as tokens
     arrive, so a lookup costs a dictionary hit plus a short backward extension per candidate.
-    Among matches of equal length the most recent wins.
+    Among matches of equal length the one with the longest continuation wins (up to what was
+    asked), then the most recent: in a loop the most recent match has only one period of
+    continuation before the end of the output, an earlier one a long run of the same loop.
     """
 
     name = "prompt_lookup"
@@ -154,7 +156,7 @@ class PromptLookupSource:
         if max_tokens <= 0 or total < self.min_ngram:
             return []
         key = tuple(tokens[total - self.min_ngram :])
-        best_length, best_end = 0, -1
+        best, best_end = (0, 0), -1  # (match length, usable continuation)
         candidates = self._ends_by_key.get(key, ())
         checked = 0
         # Most recent first; the last entry is the tail itself, which has nothing after it.
@@ -165,9 +167,10 @@ class PromptLookupSource:
             while (length < self.max_ngram and end - length - 1 >= 0
                    and tokens[end - length - 1] == tokens[total - length - 1]):
                 length += 1
-            if length > best_length:
-                best_length, best_end = length, end
-                if length == self.max_ngram:
+            score = (length, min(total - end, max_tokens))
+            if score > best:
+                best, best_end = score, end
+                if score == (self.max_ngram, max_tokens):
                     break
             checked += 1
             if checked >= self.max_candidates:

@@ -1,7 +1,7 @@
 """The OpenAI-compatible HTTP server: FastAPI under uvicorn.
 
-Local models run on the speculative engine (one worker thread, bounded queue); other models are
-forwarded upstream. The port opens at once; ``/health`` answers 503 until the model is loaded.
+Local models run on the speculative engine (a scheduler thread batching every admitted request
+into each target pass, bounded queue); other models are forwarded upstream. The port opens at once; ``/health`` answers 503 until the model is loaded.
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ from foretell.proxy.server.schema import (
     describe_validation_error,
 )
 from foretell.proxy.server.upstream import Forwarder, RouteTable, prepare_body
-from foretell.proxy.engine.worker import QueueFullError
+from foretell.proxy.engine.scheduler import DoneEvent, ErrorEvent, QueueFullError, TokensEvent
 
 FALLBACK_CHAT_TEMPLATE_NOTE = (
     "Models without a chat template get a plain transcript: 'System: ...', 'User: ...', "
@@ -50,16 +50,22 @@ class ServerSettings:
     max_prediction_chars: int = 1024 * 1024
     default_max_tokens: int = 512
     calibrate: bool = True
+    # The engine's batching: KV cache capacity in tokens, prompt tokens prefilled per step,
+    # sequences in flight at once.
+    kv_cache_tokens: int = 65536
+    prefill_chunk: int = 256
+    max_running: int = 16
     routes: RouteTable = field(default_factory=RouteTable)
 
 
 class LocalModel:
-    """The engine, its worker and its names, once loaded."""
+    """The engine, its scheduler and its names, once loaded."""
 
-    def __init__(self, loaded, worker, served_name: str):
-        self.loaded, self.worker, self.name = loaded, worker, served_name
+    def __init__(self, loaded, scheduler, served_name: str):
+        self.loaded, self.scheduler, self.name = loaded, scheduler, served_name
         self.tokenizer = loaded.tokenizer
-        self.context = getattr(loaded.model.config, "max_position_embeddings", None) or 8192
+        # The engine's own limit (None: the model names none), checked here before queueing.
+        self.context = scheduler.engine.max_positions
 
 
 def _error_response(error: APIError) -> JSONResponse:
@@ -89,7 +95,7 @@ def create_app(settings: ServerSettings, load_local=None) -> FastAPI:
         threading.Thread(target=load, name="foretell-load", daemon=True).start()
         yield
         if state["local"] is not None:
-            state["local"].worker.close()
+            state["local"].scheduler.close()
         await forwarder.close()
 
     app = FastAPI(title="foretell", docs_url=None, redoc_url=None, openapi_url=None, lifespan=lifespan)
@@ -131,7 +137,8 @@ def create_app(settings: ServerSettings, load_local=None) -> FastAPI:
     @app.get("/metrics")
     async def prometheus():
         local = state["local"]
-        metrics.queue_length.set(local.worker.queued if local else 0)
+        metrics.queue_length.set(local.scheduler.queued if local else 0)
+        metrics.running.set(local.scheduler.running if local else 0)
         return Response(metrics.render(), media_type="text/plain; version=0.0.4")
 
     @app.get("/v1/models")
@@ -215,13 +222,13 @@ def create_app(settings: ServerSettings, load_local=None) -> FastAPI:
         # Chat templates write the BOS token themselves; do not add a second one.
         has_bos = bool(local.tokenizer.bos_token) and prompt_text.startswith(local.tokenizer.bos_token)
         prompt_ids = local.tokenizer(prompt_text, add_special_tokens=not has_bos)["input_ids"]
-        if len(prompt_ids) >= local.context:
+        if local.context is not None and len(prompt_ids) >= local.context:
             raise APIError(400, f"the prompt has {len(prompt_ids)} tokens; this model's context is "
                            f"{local.context}", param="messages" if is_chat else "prompt",
                            code="context_length_exceeded")
         requested = (getattr(parsed, "max_completion_tokens", None) or parsed.max_tokens
                      or (settings.default_max_tokens if is_chat else 16))
-        if requested > local.context - len(prompt_ids):
+        if local.context is not None and requested > local.context - len(prompt_ids):
             raise APIError(400, f"max_tokens {requested} plus the prompt's {len(prompt_ids)} tokens "
                            f"exceed the context of {local.context}", param="max_tokens",
                            code="context_length_exceeded")
@@ -242,29 +249,21 @@ def create_app(settings: ServerSettings, load_local=None) -> FastAPI:
         )
         ids = ("chatcmpl-" if is_chat else "cmpl-") + uuid.uuid4().hex
         created = int(time.time())
-        job = local.worker.submit(gen_request)  # QueueFullError: answered 429 by the caller
+        # n choices are sibling sequences sharing the prompt's blocks; a seeded request's further
+        # choices take the next seeds (modulo 2**64), so they differ yet replay.
+        choices = [gen_request] + [
+            dataclasses.replace(gen_request, seed=None if gen_request.seed is None
+                                else (gen_request.seed + i) % 2**64)
+            for i in range(1, parsed.n)]
+        job = local.scheduler.submit(choices)  # QueueFullError: answered 429 by the caller
         started = time.perf_counter()
         if parsed.stream:
             include_usage = bool(parsed.stream_options and parsed.stream_options.include_usage)
             return StreamingResponse(
                 stream_events(request, local, job, ids, created, is_chat, include_usage, started),
                 media_type="text/event-stream")
-        results = [await collect(request, local, job, started)]
-        # Further choices one after another, so that n never takes more than one queue slot.
-        while len(results) < parsed.n and results[-1] is not None:
-            # A seeded request's further choices take the next seeds, so they differ yet replay.
-            seed = None if gen_request.seed is None else gen_request.seed + len(results)
-            choice_request = dataclasses.replace(gen_request, seed=seed)
-            results.append(await collect(request, local, await submit_when_free(local, choice_request),
-                                         started))
+        results = await collect(request, local, job, started)
         return completion_body(local, results, ids, created, is_chat)
-
-    async def submit_when_free(local: LocalModel, gen_request):
-        while True:
-            try:
-                return local.worker.submit(gen_request)
-            except QueueFullError:
-                await asyncio.sleep(0.05)
 
     async def wait_event(request: Request, job):
         """Next engine event; cancels the job when the client has gone away (checked at most
@@ -281,18 +280,19 @@ def create_app(settings: ServerSettings, load_local=None) -> FastAPI:
                 continue
 
     async def collect(request: Request, local: LocalModel, job, started: float):
-        first = None
+        """Every choice's result, in choice order; None when the client went away."""
+        first, results = None, [None] * len(job.requests)
         try:
-            while True:
+            while any(r is None for r in results):
                 event = await wait_event(request, job)
-                if event[0] == "tokens":
+                if isinstance(event, TokensEvent):
                     first = first or time.perf_counter()
-                    continue
-                if event[0] == "error":
-                    raise APIError(500, f"generation failed: {event[1]}", type="server_error")
-                result = event[1]
-                observe(local, result, started, first)
-                return result
+                elif isinstance(event, ErrorEvent):
+                    raise _generation_error(event.error)
+                else:
+                    observe(local, event.result, started, first)
+                    results[event.choice] = event.result
+            return results
         except ClientGone:
             return None
 
@@ -342,16 +342,16 @@ def create_app(settings: ServerSettings, load_local=None) -> FastAPI:
                     event = await wait_event(request, job)
                 except ClientGone:
                     return
-                if event[0] == "tokens":
+                if isinstance(event, TokensEvent):
                     first = first or time.perf_counter()
-                    if event[2] or event[3]:
-                        yield chunk(choice(event[2], logprobs=event[3]))
+                    if event.text or event.logprobs:
+                        yield chunk(choice(event.text, logprobs=event.logprobs))
                     continue
-                if event[0] == "error":
-                    yield _sse(APIError(500, f"generation failed: {event[1]}", type="server_error").body())
+                if isinstance(event, ErrorEvent):
+                    yield _sse(_generation_error(event.error).body())
                     yield b"data: [DONE]\n\n"
                     return
-                result = event[1]
+                result = event.result
                 observe(local, result, started, first)
                 yield chunk(choice(None if is_chat else "", finish_reason=_finish(result)))
                 if include_usage:
@@ -362,7 +362,7 @@ def create_app(settings: ServerSettings, load_local=None) -> FastAPI:
             job.cancel()  # no-op when finished; stops the engine if the client went away
 
     def completion_body(local: LocalModel, results, ids, created, is_chat) -> dict | Response:
-        if any(r is None for r in results):
+        if results is None:
             return Response(status_code=499)  # the client is gone; nobody reads this
         choices = []
         texts = TokenTexts(local.tokenizer)
@@ -453,12 +453,20 @@ def _finish(result) -> str:
     return "length" if result.finish_reason == "length" else "stop"
 
 
+def _generation_error(error: Exception) -> APIError:
+    """A failed generation in the envelope: a request the engine refused is the caller's fault."""
+    if isinstance(error, ValueError):
+        return APIError(400, str(error), code="invalid_request")
+    return APIError(500, f"generation failed: {error}", type="server_error")
+
+
 def usage_body(result) -> dict:
     stats = result.stats
     return {
         "prompt_tokens": stats.prompt_tokens,
         "completion_tokens": stats.completion_tokens,
         "total_tokens": stats.prompt_tokens + stats.completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": stats.cached_tokens},
         "completion_tokens_details": {
             "accepted_prediction_tokens": stats.accepted_prediction_tokens,
             "rejected_prediction_tokens": stats.rejected_prediction_tokens,
@@ -469,17 +477,8 @@ def usage_body(result) -> dict:
 
 def speculation_body(result) -> dict:
     """foretell's per-request speculation report (an extension field of the response)."""
-    stats = result.stats
-    return {
-        "target_passes": stats.target_passes,
-        "drafted_tokens": stats.drafted_tokens,
-        "accepted_tokens": stats.accepted_tokens,
-        "acceptance_rate": round(stats.acceptance_rate, 4),
-        "per_source": {name: vars(source).copy() for name, source in stats.per_source.items()},
-        "decode_seconds": round(stats.decode_seconds, 4),
-        # The seed a sampled request ran with (its own, or a fresh one to replay it with).
-        "seed": result.seed,
-    }
+    # The seed a sampled request ran with (its own, or a fresh one to replay it with).
+    return {**result.stats.speculation_report(), "seed": result.seed}
 
 
 def _chat_prompt(tokenizer, messages) -> str:
@@ -512,17 +511,20 @@ def _default_loader(settings: ServerSettings):
     def load(metrics: Metrics) -> LocalModel:
         from foretell.proxy.engine import SpeculativeEngine
         from foretell.proxy.engine.model_loader import load_model
-        from foretell.proxy.engine.worker import EngineWorker
+        from foretell.proxy.engine.scheduler import Scheduler
 
         loaded = load_model(settings.model)
-        engine = SpeculativeEngine(loaded.model, loaded.tokenizer)
+        engine = SpeculativeEngine(loaded.model, loaded.tokenizer, kv_cache_tokens=settings.kv_cache_tokens,
+                                   prefill_chunk=settings.prefill_chunk, max_sequences=settings.max_running)
         if settings.calibrate:
             engine.calibrate()
         name = settings.served_model_name or loaded.name
 
         def record(result) -> None:
             metrics.record_generation(name, result.stats, result.finish_reason)
+            metrics.record_cache(engine.cache)
 
-        return LocalModel(loaded, EngineWorker(engine, settings.max_queue, on_result=record), name)
+        scheduler = Scheduler(engine, settings.max_queue, settings.max_running, on_result=record)
+        return LocalModel(loaded, scheduler, name)
 
     return load

@@ -35,6 +35,18 @@ class Metrics:
                                      buckets=LATENCY_BUCKETS, registry=r)
         self.queue_length = Gauge("foretell_num_requests_waiting", "Requests waiting for the engine",
                                   registry=r)
+        self.running = Gauge("foretell_num_requests_running", "Sequences in the engine's batch",
+                             registry=r)
+        self.kv_cache_usage = Gauge("foretell_kv_cache_usage_perc",
+                                    "Fraction of the KV cache's full-attention blocks in use or cached",
+                                    registry=r)
+        # vLLM's pair: the hit rate is hits / queries (prompt tokens found in the prefix cache).
+        self.prefix_cache_queries = Counter("foretell_prefix_cache_queries",
+                                            "Prompt tokens looked up in the prefix cache", ["model"],
+                                            registry=r)
+        self.prefix_cache_hits = Counter("foretell_prefix_cache_hits",
+                                         "Prompt tokens whose KV came from the prefix cache", ["model"],
+                                         registry=r)
         self.target_passes = Counter("foretell_spec_decode_num_target_passes",
                                      "Target forward passes after prefill", ["model"], registry=r)
         self.drafts = Counter("foretell_spec_decode_num_drafts", "Rounds that verified a draft",
@@ -54,6 +66,8 @@ class Metrics:
     def record_generation(self, model: str, stats, finish_reason: str) -> None:
         self.request_success.labels(model, finish_reason).inc()
         self.prompt_tokens.labels(model).inc(stats.prompt_tokens)
+        self.prefix_cache_queries.labels(model).inc(stats.prompt_tokens)
+        self.prefix_cache_hits.labels(model).inc(stats.cached_tokens)
         self.generation_tokens.labels(model).inc(stats.completion_tokens)
         self.target_passes.labels(model).inc(stats.target_passes)
         for name, source in stats.per_source.items():
@@ -65,6 +79,9 @@ class Metrics:
             for position, count in enumerate(counts):
                 label = str(min(position, MAX_TRACKED_POSITION - 1))  # a bounded label set
                 counter.labels(model, label).inc(count)
+
+    def record_cache(self, cache) -> None:
+        self.kv_cache_usage.set(cache.usage())
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
