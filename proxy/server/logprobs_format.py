@@ -11,24 +11,41 @@ even for tokens accepted from a prediction (OpenAI refuses logprobs with predict
 
 from __future__ import annotations
 
+import re
+
+# A byte-fallback token's piece in SentencePiece vocabularies (Gemma, Llama): one raw byte.
+_BYTE_PIECE = re.compile(r"<0x([0-9A-Fa-f]{2})>")
+
 
 class TokenTexts:
-    """Each token's own text, decoded once per token id."""
+    """Each token's own text, decoded once per token id, and its bytes.
+
+    A byte-fallback token (piece ``<0xNN>``) decodes alone to U+FFFD when its byte is part of a
+    multi-byte character; its ``bytes`` are the raw byte, so that a client joining the tokens'
+    bytes gets the character back (OpenAI's reason for the field)."""
 
     def __init__(self, tokenizer):
         self.tokenizer = tokenizer
         self.cache: dict[int, str] = {}
+        self.byte_cache: dict[int, list[int]] = {}
 
     def __call__(self, token_id: int) -> str:
         if token_id not in self.cache:
             self.cache[token_id] = self.tokenizer.decode([token_id], skip_special_tokens=False)
         return self.cache[token_id]
 
+    def bytes(self, token_id: int) -> list[int]:
+        if token_id not in self.byte_cache:
+            piece = self.tokenizer.convert_ids_to_tokens(token_id)
+            match = _BYTE_PIECE.fullmatch(piece) if isinstance(piece, str) else None
+            self.byte_cache[token_id] = ([int(match.group(1), 16)] if match
+                                         else list(self(token_id).encode("utf-8")))
+        return self.byte_cache[token_id]
+
 
 def chat_logprobs(entries, texts: TokenTexts) -> dict:
     def item(token_id: int, logprob: float) -> dict:
-        text = texts(token_id)
-        return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
+        return {"token": texts(token_id), "logprob": logprob, "bytes": texts.bytes(token_id)}
 
     content = [{**item(e.token_id, e.logprob), "top_logprobs": [item(t, lp) for t, lp in e.top]}
                for e in entries]
