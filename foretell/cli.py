@@ -18,6 +18,9 @@ import stat
 import sys
 import tempfile
 from pathlib import Path
+from typing import Any, Callable
+
+from foretell import __version__
 
 
 def _read_file(path: str, what: str) -> tuple[bytes, str]:
@@ -59,11 +62,67 @@ def _top_p(value: str) -> float:
     return number
 
 
+def _seconds(value: str) -> float:
+    number = float(value)
+    if not number > 0:
+        raise argparse.ArgumentTypeError(f"must be a positive number of seconds, got {value}")
+    return number
+
+
+# What a converter wants, for a value it refuses with a bare ValueError.
+_EXPECTED = {int: "must be an integer", _positive_int: "must be a positive integer",
+             float: "must be a number"}
+
+
+class _FromEnv:
+    """An option's default that comes from an environment variable, read after parsing (by
+    ``_resolve_env``) rather than when the parser is built: a bad value then fails only the
+    command that uses it (not ``--help``, not the other commands), and is reported by name."""
+
+    def __init__(self, variable: str, fallback: Any, convert: Callable[[str], Any]):
+        self.variable, self.fallback, self.convert = variable, fallback, convert
+
+    def resolve(self) -> Any:
+        raw = os.environ.get(self.variable, "")
+        if not raw:
+            return self.fallback
+        try:
+            return self.convert(raw)
+        except argparse.ArgumentTypeError as error:
+            reason = str(error)
+        except ValueError:  # int() or float() refused it
+            reason = _EXPECTED.get(self.convert, "is not a valid value")
+        print(f"foretell: environment variable {self.variable}={raw!r}: {reason}", file=sys.stderr)
+        raise SystemExit(2)  # as argparse exits for a bad option
+
+
+def _resolve_env(args: argparse.Namespace) -> None:
+    for name, value in vars(args).items():
+        if isinstance(value, _FromEnv):
+            setattr(args, name, value.resolve())
+
+
+@contextlib.contextmanager
+def _needs_proxy_extra(command: str):
+    """A bare install (the SDK alone) has no torch, transformers, fastapi or uvicorn: say which
+    install the command needs instead of a ModuleNotFoundError traceback."""
+    try:
+        yield
+    except ModuleNotFoundError as error:
+        if error.name and error.name.split(".")[0] == "foretell":
+            raise  # one of our own modules: a bug, not an install
+        what = f"missing module {error.name!r}" if error.name else str(error)
+        raise SystemExit(f"foretell: `foretell {command}` needs the proxy extra ({what}): "
+                         "pip install 'foretell[proxy]' (from a checkout: pip install -e '.[proxy]')"
+                         ) from None
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="foretell",
         description="Predicted outputs for everyone: exact speculative decoding with predictions.",
     )
+    parser.add_argument("--version", action="version", version=f"foretell {__version__}")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     generate = commands.add_parser(
@@ -132,7 +191,7 @@ def build_parser() -> argparse.ArgumentParser:
                             "(env: FORETELL_SERVED_MODEL_NAME)")
     serve.add_argument("--host", default=env("FORETELL_HOST", "127.0.0.1"),
                        help="address to listen on (default: 127.0.0.1) (env: FORETELL_HOST)")
-    serve.add_argument("--port", type=int, default=int(env("FORETELL_PORT", "8000")),
+    serve.add_argument("--port", type=int, default=_FromEnv("FORETELL_PORT", 8000, int),
                        help="port (default: 8000) (env: FORETELL_PORT)")
     serve.add_argument("--config", default=env("FORETELL_CONFIG"), metavar="FILE",
                        help="TOML file of routes and upstreams, see examples/foretell.toml "
@@ -141,31 +200,32 @@ def build_parser() -> argparse.ArgumentParser:
                        default=[k for k in env("FORETELL_API_KEY", "").split(",") if k],
                        help="require 'Authorization: Bearer KEY' on /v1/*; repeatable "
                             "(env: FORETELL_API_KEY, comma-separated)")
-    serve.add_argument("--max-queue", type=_positive_int, default=int(env("FORETELL_MAX_QUEUE", "16")),
+    serve.add_argument("--max-queue", type=_positive_int,
+                       default=_FromEnv("FORETELL_MAX_QUEUE", 16, _positive_int),
                        help="requests waiting for the engine before 429 (default: 16) "
                             "(env: FORETELL_MAX_QUEUE)")
     serve.add_argument("--max-running", type=_positive_int,
-                       default=int(env("FORETELL_MAX_RUNNING", "16")),
+                       default=_FromEnv("FORETELL_MAX_RUNNING", 16, _positive_int),
                        help="requests batched into each target pass at once; more wait in the queue "
                             "(default: 16) (env: FORETELL_MAX_RUNNING)")
     serve.add_argument("--kv-cache-tokens", type=_positive_int,
-                       default=int(env("FORETELL_KV_CACHE_TOKENS", "65536")),
+                       default=_FromEnv("FORETELL_KV_CACHE_TOKENS", 65536, _positive_int),
                        help="KV cache capacity in tokens (full-attention layers; sliding-window "
                             "layers keep only their window); a request that can never fit is "
                             "refused with 400 (default: 65536) (env: FORETELL_KV_CACHE_TOKENS)")
     serve.add_argument("--prefill-chunk", type=_positive_int,
-                       default=int(env("FORETELL_PREFILL_CHUNK", "256")),
+                       default=_FromEnv("FORETELL_PREFILL_CHUNK", 256, _positive_int),
                        help="prompt tokens prefilled per step, so a long prompt stalls running "
                             "streams by one chunk at most (default: 256) (env: FORETELL_PREFILL_CHUNK)")
     serve.add_argument("--max-body-bytes", type=_positive_int,
-                       default=int(env("FORETELL_MAX_BODY_BYTES", str(4 * 1024 * 1024))),
+                       default=_FromEnv("FORETELL_MAX_BODY_BYTES", 4 * 1024 * 1024, _positive_int),
                        help="largest request body, else 413 (default: 4 MiB) (env: FORETELL_MAX_BODY_BYTES)")
     serve.add_argument("--max-prediction-chars", type=_positive_int,
-                       default=int(env("FORETELL_MAX_PREDICTION_CHARS", str(1024 * 1024))),
+                       default=_FromEnv("FORETELL_MAX_PREDICTION_CHARS", 1024 * 1024, _positive_int),
                        help="largest prediction, else 413 (default: 1 Mi characters) "
                             "(env: FORETELL_MAX_PREDICTION_CHARS)")
     serve.add_argument("--default-max-tokens", type=_positive_int,
-                       default=int(env("FORETELL_DEFAULT_MAX_TOKENS", "512")),
+                       default=_FromEnv("FORETELL_DEFAULT_MAX_TOKENS", 512, _positive_int),
                        help="chat max_tokens when the request sets none (default: 512; completions "
                             "default to 16 as OpenAI's) (env: FORETELL_DEFAULT_MAX_TOKENS)")
     serve.add_argument("--no-calibrate", action="store_true",
@@ -206,9 +266,10 @@ def build_parser() -> argparse.ArgumentParser:
                       help="most tokens to generate (default: enough for the whole file and growth)")
     edit.add_argument("--no-prompt-lookup", action="store_true",
                       help="ask a foretell server not to use prompt lookup as the prediction's fallback")
-    edit.add_argument("--timeout", type=float, default=None, metavar="S",
-                      help="seconds the whole request may take (default: 600; connecting never "
-                           "waits more than 10)")
+    edit.add_argument("--timeout", type=_seconds, default=None, metavar="S",
+                      help="seconds the whole edit may take, from connecting to the last token "
+                           "(default: no limit; each network wait is still limited to 600 s, "
+                           "connecting to 10)")
     return parser
 
 
@@ -238,8 +299,11 @@ def run_generate(args: argparse.Namespace) -> int:
         raise SystemExit("foretell: the prompt file is empty")
 
     os.environ.setdefault("HF_HUB_OFFLINE", "1")  # never reach for a model hub at run time
-    from foretell.proxy.engine import GenerationRequest, SpeculativeEngine
-    from foretell.proxy.engine.model_loader import load_model
+    # The imports alone take seconds (torch, transformers): say something before them.
+    print("foretell: loading the model...", file=sys.stderr, flush=True)
+    with _needs_proxy_extra("generate"):
+        from foretell.proxy.engine import GenerationRequest, SpeculativeEngine
+        from foretell.proxy.engine.model_loader import load_model
 
     try:
         loaded = load_model(args.model)
@@ -282,10 +346,11 @@ def run_generate(args: argparse.Namespace) -> int:
 
 def run_serve(args: argparse.Namespace) -> int:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    import uvicorn
+    with _needs_proxy_extra("serve"):
+        import uvicorn
 
-    from foretell.proxy.server import ServerSettings, create_app
-    from foretell.proxy.server.upstream import load_routes
+        from foretell.proxy.server import ServerSettings, create_app
+        from foretell.proxy.server.upstream import load_routes
 
     try:
         routes = load_routes(args.config)
@@ -368,8 +433,8 @@ def run_edit(args: argparse.Namespace) -> int:
 
     progress = sys.stderr.isatty()
     try:
-        timeout = {} if args.timeout is None else {"timeout": args.timeout}
-        with Client(args.base_url, args.api_key, **timeout) as client:
+        # --timeout is the SDK's deadline (the whole call), not its per-read timeout.
+        with Client(args.base_url, args.api_key, deadline=args.timeout) as client:
             model = args.model or _first_model(client)
             stream = edit_stream(client, text, instruction, model=model, filename=path.name,
                                  max_tokens=args.max_tokens,
@@ -416,6 +481,7 @@ def _first_model(client) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    _resolve_env(args)
     if args.command == "generate":
         return run_generate(args)
     if args.command == "serve":
