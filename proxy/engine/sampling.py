@@ -53,7 +53,11 @@ def _nucleus(probs: torch.Tensor, top_p: float, head: int = 1024) -> torch.Tenso
     if bool((top_probs.sum(dim=-1) < top_p).any()):
         top_probs, order = torch.sort(probs, dim=-1, descending=True)  # [R, V]
     mass_before = torch.cumsum(top_probs, dim=-1) - top_probs
-    kept = top_probs.masked_fill(mass_before >= top_p, 0.0)
+    dropped = mass_before >= top_p
+    # The most likely token always stays: a top_p below float32's range (1e-300) compares as 0,
+    # which would otherwise drop every token and leave no distribution.
+    dropped[:, 0] = False
+    kept = top_probs.masked_fill(dropped, 0.0)
     nucleus = torch.zeros_like(probs).scatter_(-1, order, kept)  # [R, V]
     return nucleus / nucleus.sum(dim=-1, keepdim=True)
 
@@ -73,7 +77,9 @@ class SpeculativeSampler:
         self.temperature, self.top_k, self.top_p = temperature, top_k, top_p
         self.seed = new_seed() if seed is None else seed
         self.generator = torch.Generator(device=device)
-        self.generator.manual_seed(self.seed)
+        # Seeds are 64-bit (OpenAI's range is signed or unsigned): taken modulo 2**64, which
+        # manual_seed accepts whole.
+        self.generator.manual_seed(self.seed % 2**64)
 
     def verify(self, logits: torch.Tensor, draft: list[int]) -> tuple[int, list[int]]:
         """Verify one request's draft from its verify pass's logits [k+1, V].
