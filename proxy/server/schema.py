@@ -6,9 +6,22 @@ FastAPI's 422.
 
 from __future__ import annotations
 
-from typing import Literal, Union
+from typing import Annotated, Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, field_validator, model_validator
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    ConfigDict,
+    Field,
+    StrictBool,
+    StrictFloat,
+    StrictInt,
+    field_validator,
+    model_validator,
+)
+
+# OpenAI's seed is a 64-bit integer; either signedness is accepted.
+SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1
 
 
 class APIError(Exception):
@@ -29,15 +42,38 @@ class _Lenient(BaseModel):
     # Unknown OpenAI fields (and future ones) are accepted and ignored.
     model_config = ConfigDict(extra="ignore")
 
+    @model_validator(mode="before")
+    @classmethod
+    def _null_means_default(cls, data):
+        # OpenAI treats an optional field sent as null as not sent.
+        if isinstance(data, dict):
+            return {key: value for key, value in data.items() if value is not None}
+        return data
+
+
+def _valid_unicode(text: str) -> str:
+    # JSON can carry lone surrogates ("\ud800"), which are not text: the tokenizer (and any
+    # UTF-8 output) would fail on them later, as a 500.
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as error:
+        raise ValueError(f"holds a lone surrogate (U+{ord(text[error.start]):04X}), which is not "
+                         "valid Unicode text") from None
+    return text
+
+
+# A string that is valid Unicode (for text the model reads: prompts, messages, predictions, stops).
+Text = Annotated[str, AfterValidator(_valid_unicode)]
+
 
 class TextPart(_Lenient):
     type: Literal["text"]
-    text: str
+    text: Text
 
 
 class Prediction(_Lenient):
     type: Literal["content"]
-    content: Union[str, list[TextPart]]
+    content: Union[Text, list[TextPart]]
 
     def text(self) -> str:
         if isinstance(self.content, str):
@@ -61,12 +97,13 @@ class StreamOptions(_Lenient):
 class _SamplingFields(_Lenient):
     model: str
     max_tokens: StrictInt | None = Field(default=None, ge=1)
-    temperature: float | None = Field(default=None, ge=0.0, le=2.0)
-    top_p: float | None = Field(default=None, gt=0.0, le=1.0)
+    # Numbers, not numeric strings or booleans (as OpenAI); integers are fine.
+    temperature: StrictFloat | None = Field(default=None, ge=0.0, le=2.0)
+    top_p: StrictFloat | None = Field(default=None, gt=0.0, le=1.0)
     # An extension (as in vLLM): keep the k most likely tokens; 0 or absent: no limit.
     top_k: StrictInt | None = Field(default=None, ge=0)
-    seed: StrictInt | None = None
-    stop: Union[str, list[str], None] = None
+    seed: StrictInt | None = Field(default=None, ge=SEED_MIN, le=SEED_MAX)
+    stop: Union[Text, list[Text], None] = None
     n: StrictInt = Field(default=1, ge=1, le=8)
     stream: StrictBool = False
     stream_options: StreamOptions | None = None
@@ -87,9 +124,13 @@ class _SamplingFields(_Lenient):
     def stop_strings(self) -> tuple[str, ...]:
         return tuple(self.stop or ())
 
+    def max_tokens_or(self, default: int) -> int:
+        """The requested completion length, ``default`` when none is set."""
+        return default if self.max_tokens is None else self.max_tokens
+
 
 class CompletionRequest(_SamplingFields):
-    prompt: Union[str, list[str]]
+    prompt: Union[Text, list[Text]]
     # Log-probabilities of the emitted tokens with this many alternatives (OpenAI allows 0-5).
     logprobs: StrictInt | None = Field(default=None, ge=0, le=5)
 
@@ -108,12 +149,12 @@ class CompletionRequest(_SamplingFields):
 
 class ChatContentPart(_Lenient):
     type: Literal["text"]
-    text: str
+    text: Text
 
 
 class ChatMessage(_Lenient):
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: Union[str, list[ChatContentPart], None] = None
+    content: Union[Text, list[ChatContentPart], None] = None
 
     def text(self) -> str:
         if self.content is None:
@@ -138,10 +179,29 @@ class ChatCompletionRequest(_SamplingFields):
     def logprob_alternatives(self) -> int | None:
         return (self.top_logprobs or 0) if self.logprobs else None
 
+    def max_tokens_or(self, default: int) -> int:
+        # max_completion_tokens is OpenAI's newer name; it wins when both are set.
+        if self.max_completion_tokens is not None:
+            return self.max_completion_tokens
+        return super().max_tokens_or(default)
+
+
+# Every field name of the request models; anything else in an error location is pydantic naming
+# the member of a union it tried ("str", "list[str]", "function-after[...]"): not a param.
+_FIELDS = frozenset(name for model in (CompletionRequest, ChatCompletionRequest, ChatMessage,
+                                       ChatContentPart, Prediction, TextPart, Speculation, StreamOptions)
+                    for name in model.model_fields)
+
 
 def describe_validation_error(error) -> tuple[str, str | None]:
     """Turn a pydantic ValidationError into (message, param) for the envelope."""
-    first = error.errors()[0]
-    location = ".".join(str(part) for part in first.get("loc", ()))
-    message = first.get("msg", "invalid request")
+    errors = error.errors()
+    # A value that fits no member of a union gets one error per member; the one that got
+    # deepest into the value says best what is wrong ("stop.1: holds a lone surrogate" rather
+    # than "stop: should be a valid string").
+    field = errors[0].get("loc", ())[:1]
+    first = max((e for e in errors if e.get("loc", ())[:1] == field), key=lambda e: len(e.get("loc", ())))
+    parts = [str(part) for part in first.get("loc", ()) if isinstance(part, int) or part in _FIELDS]
+    location = ".".join(parts)
+    message = first.get("msg", "invalid request").removeprefix("Value error, ")
     return (f"{location}: {message}" if location else message), (location or None)
