@@ -1,7 +1,7 @@
 """The ``foretell`` command line.
 
     foretell generate --prompt-file P [--prediction-file F] [--prompt-lookup] [--max-tokens N]
-    foretell serve [--model M] [--host H] [--port P] [--config FILE] [--api-key KEY]
+    foretell serve [--model M] [--host H] [--port P] [--config FILE] [--api-key KEY] [--allowed-hosts HOSTS]
     foretell edit FILE --instruction TEXT [--model M] [--base-url URL] [--write | --diff]
 
 ``generate`` prints the completion to stdout as it is verified and the statistics to stderr;
@@ -191,6 +191,11 @@ def build_parser() -> argparse.ArgumentParser:
                             "(env: FORETELL_SERVED_MODEL_NAME)")
     serve.add_argument("--host", default=env("FORETELL_HOST", "127.0.0.1"),
                        help="address to listen on (default: 127.0.0.1) (env: FORETELL_HOST)")
+    serve.add_argument("--allowed-hosts", metavar="HOSTS", default=env("FORETELL_ALLOWED_HOSTS", ""),
+                       help="comma-separated Host header values accepted besides 127.0.0.1, "
+                            "localhost, [::1] and --host ('name' for any port, 'name:port', '*' for "
+                            "any host); other hosts get 421, so that a web page cannot reach the "
+                            "server through a domain rebound to it (env: FORETELL_ALLOWED_HOSTS)")
     serve.add_argument("--port", type=int, default=_FromEnv("FORETELL_PORT", 8000, int),
                        help="port (default: 8000) (env: FORETELL_PORT)")
     serve.add_argument("--config", default=env("FORETELL_CONFIG"), metavar="FILE",
@@ -200,6 +205,10 @@ def build_parser() -> argparse.ArgumentParser:
                        default=[k for k in env("FORETELL_API_KEY", "").split(",") if k],
                        help="require 'Authorization: Bearer KEY' on /v1/*; repeatable "
                             "(env: FORETELL_API_KEY, comma-separated)")
+    serve.add_argument("--metrics-public", action="store_true",
+                       default=env("FORETELL_METRICS_PUBLIC", "") not in ("", "0"),
+                       help="serve /metrics without the API key (default: /metrics needs the key "
+                            "when --api-key is set) (env: FORETELL_METRICS_PUBLIC=1)")
     serve.add_argument("--max-queue", type=_positive_int,
                        default=_FromEnv("FORETELL_MAX_QUEUE", 16, _positive_int),
                        help="requests waiting for the engine before 429 (default: 16) "
@@ -344,6 +353,18 @@ def run_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _log_to_stderr(name: str) -> None:
+    """The server's own log lines (one per failed or abandoned request) on stderr."""
+    import logging
+
+    handler = logging.StreamHandler()
+    handler.setFormatter(logging.Formatter("%(levelname)s:  %(message)s"))
+    logger = logging.getLogger(name)
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+    logger.propagate = False
+
+
 def run_serve(args: argparse.Namespace) -> int:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     with _needs_proxy_extra("serve"):
@@ -361,8 +382,11 @@ def run_serve(args: argparse.Namespace) -> int:
         max_queue=args.max_queue, max_body_bytes=args.max_body_bytes,
         max_prediction_chars=args.max_prediction_chars, default_max_tokens=args.default_max_tokens,
         calibrate=not args.no_calibrate, routes=routes, max_running=args.max_running,
-        kv_cache_tokens=args.kv_cache_tokens, prefill_chunk=args.prefill_chunk,
+        kv_cache_tokens=args.kv_cache_tokens, prefill_chunk=args.prefill_chunk, host=args.host,
+        allowed_hosts=tuple(h.strip() for h in args.allowed_hosts.split(",") if h.strip()),
+        metrics_public=args.metrics_public,
     )
+    _log_to_stderr("foretell.proxy.server")
     print(f"foretell: serving on http://{args.host}:{args.port}/v1 (loading the model; "
           "/health answers 503 until it is ready)", file=sys.stderr, flush=True)
     uvicorn.run(create_app(settings), host=args.host, port=args.port, log_level="warning")

@@ -9,8 +9,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
-import hmac
 import json
+import logging
 import threading
 import time
 import uuid
@@ -19,20 +19,30 @@ from dataclasses import dataclass, field
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import ValidationError
-from starlette.background import BackgroundTask
+from starlette.exceptions import HTTPException
 
-from foretell import __version__
 from foretell.proxy.engine import GenerationRequest
+from foretell.proxy.server.guard import GuardMiddleware, error_response
 from foretell.proxy.server.logprobs_format import TokenTexts, chat_logprobs, completion_logprobs
 from foretell.proxy.server.metrics import Metrics
+from foretell.proxy.server.prompts import request_prompt_ids
+from foretell.proxy.server.redact import Redactor
 from foretell.proxy.server.schema import (
     APIError,
     ChatCompletionRequest,
     CompletionRequest,
     describe_validation_error,
 )
-from foretell.proxy.server.upstream import Forwarder, RouteTable, prepare_body
+from foretell.proxy.server.upstream import Forwarder, RouteTable, prepare_body, relay
 from foretell.proxy.engine.scheduler import DoneEvent, ErrorEvent, QueueFullError, TokensEvent
+
+log = logging.getLogger(__name__)
+
+# JSON nested deeper than this is refused (OpenAI bodies are shallow; deep nesting only costs).
+MAX_JSON_DEPTH = 64
+# Prompts tokenised at once (on worker threads): the body limit bounds each one's size, this
+# bounds their number, so a burst of huge prompts cannot take every core before the queue.
+MAX_PROMPTS_IN_PREPARATION = 2
 
 FALLBACK_CHAT_TEMPLATE_NOTE = (
     "Models without a chat template get a plain transcript: 'System: ...', 'User: ...', "
@@ -56,6 +66,10 @@ class ServerSettings:
     prefill_chunk: int = 256
     max_running: int = 16
     routes: RouteTable = field(default_factory=RouteTable)
+    # The address served; the Host header must name it (or loopback, or an allowed host).
+    host: str = "127.0.0.1"
+    allowed_hosts: tuple[str, ...] = ()  # further Host header values; "*" allows any
+    metrics_public: bool = False  # /metrics without the API key
 
 
 class LocalModel:
@@ -66,10 +80,6 @@ class LocalModel:
         self.tokenizer = loaded.tokenizer
         # The engine's own limit (None: the model names none), checked here before queueing.
         self.context = scheduler.engine.max_positions
-
-
-def _error_response(error: APIError) -> JSONResponse:
-    return JSONResponse(error.body(), status_code=error.status, headers=error.headers)
 
 
 def _sse(payload) -> bytes:
@@ -104,24 +114,33 @@ def create_app(settings: ServerSettings, load_local=None) -> FastAPI:
 
     @app.exception_handler(APIError)
     async def _api_error(request: Request, error: APIError):
-        return _error_response(error)
+        return error_response(error)
+
+    @app.exception_handler(HTTPException)
+    async def _http_error(request: Request, error: HTTPException):
+        # Unknown paths and methods (404, 405) in the same envelope as every other error.
+        return error_response(APIError(error.status_code, str(error.detail), headers=error.headers))
 
     app.add_middleware(GuardMiddleware, settings=settings, metrics=metrics)
 
     async def read_body(request: Request) -> dict:
-        raw = await request.body()
-        if len(raw) > settings.max_body_bytes:
-            raise APIError(413, f"request body over {settings.max_body_bytes} bytes", code="body_too_large")
+        raw = await request.body()  # GuardMiddleware has bounded it to settings.max_body_bytes
         try:
             text = raw.decode("utf-8")
         except UnicodeDecodeError:
             raise APIError(400, "request body is not valid UTF-8", code="invalid_encoding") from None
         try:
-            body = json.loads(text)
-        except json.JSONDecodeError as error:
+            body = json.loads(text, parse_constant=_refuse_constant)
+        except RecursionError:
+            raise APIError(400, f"request body is nested deeper than {MAX_JSON_DEPTH} levels",
+                           code="invalid_json") from None
+        except ValueError as error:  # not JSON, NaN / Infinity, or an integer of > 4300 digits
             raise APIError(400, f"request body is not valid JSON: {error}", code="invalid_json") from None
         if not isinstance(body, dict):
             raise APIError(400, "request body must be a JSON object", code="invalid_json")
+        if _json_depth(body) > MAX_JSON_DEPTH:
+            raise APIError(400, f"request body is nested deeper than {MAX_JSON_DEPTH} levels",
+                           code="invalid_json")
         return body
 
     # ---- plain endpoints -------------------------------------------------------------------
@@ -177,7 +196,7 @@ def create_app(settings: ServerSettings, load_local=None) -> FastAPI:
             raise APIError(404, f"model {parsed.model!r} does not exist", param="model",
                            code="model_not_found")
         if not route.local:
-            return await forward(settings.routes.upstreams[route.upstream], path, body, parsed.stream)
+            return await forward(request, settings.routes.upstreams[route.upstream], path, body, parsed.stream)
         if local is None:
             raise APIError(503, "the model is still loading", type="server_error", code="model_loading",
                            headers={"Retry-After": "5"})
@@ -185,49 +204,33 @@ def create_app(settings: ServerSettings, load_local=None) -> FastAPI:
             return await run_local(request, local, parsed, path)
         except QueueFullError:
             if route.fallback:
-                return await forward(settings.routes.upstreams[route.fallback], path, body, parsed.stream)
+                return await forward(request, settings.routes.upstreams[route.fallback], path, body,
+                                     parsed.stream)
             raise APIError(429, "the server is busy: queue full", type="rate_limit_error",
                            code="queue_full", headers={"Retry-After": "1"}) from None
 
-    async def forward(upstream, path: str, body: dict, stream: bool):
+    async def forward(request: Request, upstream, path: str, body: dict, stream: bool):
+        request_id = request.scope.get("foretell.request_id", "-")
         body, notes = prepare_body(body, upstream)
-        response = await forwarder.open(upstream, path, body)
-        headers = {"x-foretell-upstream": upstream.name}
-        if notes:
-            headers["x-foretell-note"] = "; ".join(notes)
-        if response.status_code >= 500:
-            detail = (await response.aread())[:500].decode("utf-8", "replace")
-            await response.aclose()
-            raise APIError(502, f"upstream {upstream.name!r} answered {response.status_code}: {detail}",
-                           type="upstream_error", code="upstream_error")
-        content_type = response.headers.get("content-type", "application/json")
-        if stream and response.status_code < 400 and "text/event-stream" in content_type:
-            return StreamingResponse(response.aiter_raw(), status_code=response.status_code,
-                                     media_type="text/event-stream", headers=headers,
-                                     background=BackgroundTask(response.aclose))
-        raw = await response.aread()
-        await response.aclose()
-        if notes and response.status_code < 400:
-            try:
-                payload = json.loads(raw)
-                payload.setdefault("foretell", {})["notes"] = notes
-                raw = json.dumps(payload).encode()
-            except ValueError:
-                pass
-        return Response(raw, status_code=response.status_code, media_type=content_type, headers=headers)
+        # Whatever an upstream answers is relayed without any route's key in it.
+        redactor = Redactor(settings.routes.keys())
+        try:
+            response = await forwarder.open(upstream, path, body)
+            return await relay(response, upstream, stream=stream, notes=notes, redactor=redactor,
+                               request_id=request_id)
+        except APIError as error:
+            log.warning("%s: %s", request_id, redactor.text(error.message))
+            raise
+
+    prompt_slots = asyncio.Semaphore(MAX_PROMPTS_IN_PREPARATION)
 
     async def run_local(request: Request, local: LocalModel, parsed, path: str):
         is_chat = path == "/chat/completions"
-        prompt_text = _chat_prompt(local.tokenizer, parsed.messages) if is_chat else parsed.prompt
-        # Chat templates write the BOS token themselves; do not add a second one.
-        has_bos = bool(local.tokenizer.bos_token) and prompt_text.startswith(local.tokenizer.bos_token)
-        prompt_ids = local.tokenizer(prompt_text, add_special_tokens=not has_bos)["input_ids"]
-        if local.context is not None and len(prompt_ids) >= local.context:
-            raise APIError(400, f"the prompt has {len(prompt_ids)} tokens; this model's context is "
-                           f"{local.context}", param="messages" if is_chat else "prompt",
-                           code="context_length_exceeded")
-        requested = (getattr(parsed, "max_completion_tokens", None) or parsed.max_tokens
-                     or (settings.default_max_tokens if is_chat else 16))
+        # Templates and tokenisation take seconds on a large prompt: off the event loop.
+        async with prompt_slots:
+            prompt_ids = await asyncio.to_thread(request_prompt_ids, local.tokenizer, parsed, is_chat,
+                                                 local.context)
+        requested = parsed.max_tokens_or(settings.default_max_tokens if is_chat else 16)
         if local.context is not None and requested > local.context - len(prompt_ids):
             raise APIError(400, f"max_tokens {requested} plus the prompt's {len(prompt_ids)} tokens "
                            f"exceed the context of {local.context}", param="max_tokens",
@@ -387,66 +390,23 @@ def create_app(settings: ServerSettings, load_local=None) -> FastAPI:
     return app
 
 
-FORETELL_VERSION = __version__.encode()
-KNOWN_PATHS = {"/health", "/metrics", "/v1/models", "/v1/completions", "/v1/chat/completions"}
-
-
-class GuardMiddleware:
-    """API keys on /v1/*, the body-size limit from Content-Length, and the request counter.
-
-    A plain ASGI middleware (not ``@app.middleware``), so that the endpoint's
-    ``request.is_disconnected()`` sees the client hang up and can cancel its generation.
-    """
-
-    def __init__(self, app, settings: ServerSettings, metrics: Metrics):
-        self.app, self.settings, self.metrics = app, settings, metrics
-
-    async def __call__(self, scope, receive, send):
-        if scope["type"] != "http":
-            return await self.app(scope, receive, send)
-        path = scope["path"]
-        status = {"code": 500}
-
-        # Every response names its request (as OpenAI's x-request-id), so that clients can
-        # quote it in errors and logs; a caller's own id is echoed back. x-foretell-version
-        # tells clients (the SDK) that this server understands the ``speculation`` extension.
-        request_id = _incoming_request_id(scope) or "req-" + uuid.uuid4().hex
-
-        async def send_and_note_status(message):
-            if message["type"] == "http.response.start":
-                status["code"] = message["status"]
-                message = {**message, "headers": [*message.get("headers", []),
-                                                  (b"x-request-id", request_id.encode()),
-                                                  (b"x-foretell-version", FORETELL_VERSION)]}
-            await send(message)
-
-        headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
-        try:
-            if path.startswith("/v1/") and self.settings.api_keys:
-                _check_key(headers.get("authorization", ""), self.settings.api_keys)
-            length = headers.get("content-length", "")
-            if length.isdigit() and int(length) > self.settings.max_body_bytes:
-                raise APIError(413, f"request body over {self.settings.max_body_bytes} bytes",
-                               code="body_too_large")
-        except APIError as error:
-            await _error_response(error)(scope, receive, send_and_note_status)
-        else:
-            await self.app(scope, receive, send_and_note_status)
-        self.metrics.requests.labels(path if path in KNOWN_PATHS else "other", str(status["code"])).inc()
-
-
-def _incoming_request_id(scope) -> str | None:
-    for key, value in scope["headers"]:
-        if key.lower() == b"x-request-id":
-            text = value.decode("latin-1")
-            # Echo only a sane id: printable ASCII, bounded length.
-            if 0 < len(text) <= 128 and text.isprintable() and text.isascii():
-                return text
-    return None
-
-
 class ClientGone(Exception):
     pass
+
+
+def _refuse_constant(name: str):
+    raise ValueError(f"{name} is not a JSON number")
+
+
+def _json_depth(value) -> int:
+    """How deeply a parsed JSON value nests (iteratively: no recursion limit to hit)."""
+    deepest, todo = 0, [(value, 1)]
+    while todo:
+        value, depth = todo.pop()
+        if isinstance(value, (dict, list)):
+            deepest = max(deepest, depth)
+            todo += [(item, depth + 1) for item in (value.values() if isinstance(value, dict) else value)]
+    return deepest
 
 
 def _finish(result) -> str:
@@ -479,32 +439,6 @@ def speculation_body(result) -> dict:
     """foretell's per-request speculation report (an extension field of the response)."""
     # The seed a sampled request ran with (its own, or a fresh one to replay it with).
     return {**result.stats.speculation_report(), "seed": result.seed}
-
-
-def _chat_prompt(tokenizer, messages) -> str:
-    turns = [{"role": "system" if m.role == "developer" else m.role, "content": m.text()}
-             for m in messages]
-    if getattr(tokenizer, "chat_template", None):
-        try:
-            return tokenizer.apply_chat_template(turns, tokenize=False, add_generation_prompt=True)
-        except Exception as error:  # a template that rejects this conversation (e.g. roles)
-            raise APIError(400, f"the model's chat template rejected the messages: {error}",
-                           param="messages") from None
-    lines = [f"{turn['role'].capitalize()}: {turn['content']}" for turn in turns]
-    return "\n".join(lines) + "\nAssistant:"
-
-
-def _check_key(header: str, keys: tuple[str, ...]) -> None:
-    scheme, _, token = header.partition(" ")
-    if scheme.lower() != "bearer" or not token:
-        raise APIError(401, "missing API key: send 'Authorization: Bearer <key>'",
-                       type="authentication_error", code="invalid_api_key")
-    # Compare against every key in constant time (no early exit on the first match).
-    matched = False
-    for key in keys:
-        matched |= hmac.compare_digest(token.encode(), key.encode())
-    if not matched:
-        raise APIError(401, "invalid API key", type="authentication_error", code="invalid_api_key")
 
 
 def _default_loader(settings: ServerSettings):

@@ -2,8 +2,10 @@
 
 Base URLs and keys come only from the server's configuration file and environment, never from
 the request. The client's credentials are replaced by the route's key; keys never appear in
-errors or logs. Streaming stays streaming (chunks are passed on as they arrive). Retries with
-backoff happen only before any byte of a response has arrived.
+errors or logs, and every route key is redacted from whatever an upstream answers (bodies,
+stream events, headers) before it is relayed. Streaming stays streaming (whole events are passed
+on as they arrive); a stream that breaks off ends with an error event. Retries with backoff
+happen only before any byte of a response has arrived; redirects are relayed, never followed.
 
 Configuration file (TOML), see ``examples/foretell.toml``::
 
@@ -26,6 +28,8 @@ model not named in the file.
 from __future__ import annotations
 
 import asyncio
+import json
+import logging
 import os
 import random
 import tomllib
@@ -33,11 +37,25 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
+from starlette.background import BackgroundTask
+from starlette.responses import Response, StreamingResponse
 
+from foretell.proxy.server.redact import Redactor
 from foretell.proxy.server.schema import APIError
+
+log = logging.getLogger(__name__)
 
 # Body fields that are foretell's own and never go upstream.
 LOCAL_ONLY_FIELDS = ("speculation",)
+# Upstream response headers the client gets (redacted); the rest describe the upstream's own
+# connection and encoding, or are none of the client's business.
+RELAYED_HEADERS = ("location", "retry-after", "retry-after-ms")
+# A server-sent event ends with a blank line, whatever the line endings.
+EVENT_ENDS = (b"\n\n", b"\r\n\r\n", b"\r\r")
+# An unfinished event longer than this is relayed without waiting for its end.
+MAX_HELD_EVENT = 64 * 1024
+# How much of a failed upstream's body is read to quote from.
+MAX_ERROR_BODY = 64 * 1024
 
 
 @dataclass(frozen=True)
@@ -69,6 +87,10 @@ class RouteTable:
     upstreams: dict[str, Upstream] = field(default_factory=dict)
     models: dict[str, ModelRoute] = field(default_factory=dict)
     default_upstream: str | None = None
+
+    def keys(self) -> list[str]:
+        """Every configured upstream key (to redact from what upstreams answer)."""
+        return [key for upstream in self.upstreams.values() if (key := upstream.key())]
 
     def route_for(self, model: str, local_names: set[str]) -> ModelRoute | None:
         if model in self.models:
@@ -129,7 +151,9 @@ class Forwarder:
     """Sends requests to upstreams with one shared connection pool."""
 
     def __init__(self):
-        self.client = httpx.AsyncClient()
+        # A redirect goes back to the client as it is: following it would send the route's key
+        # to wherever the upstream points.
+        self.client = httpx.AsyncClient(follow_redirects=False)
 
     async def close(self) -> None:
         await self.client.aclose()
@@ -141,7 +165,10 @@ class Forwarder:
         Raises APIError 502 (unreachable) or 504 (timed out).
         """
         url = upstream.base_url.rstrip("/") + path
-        headers = {"content-type": "application/json", "accept": "application/json, text/event-stream"}
+        # Plain bytes: a compressed stream would have to be decoded before it can be relayed
+        # (and redacted) event by event anyway.
+        headers = {"content-type": "application/json", "accept": "application/json, text/event-stream",
+                   "accept-encoding": "identity"}
         key = upstream.key()
         if key:
             headers["authorization"] = f"Bearer {key}"
@@ -162,3 +189,81 @@ class Forwarder:
                 raise failure
             await asyncio.sleep(min(4.0, 0.2 * 2 ** attempt) * (0.5 + random.random()))
             attempt += 1
+
+
+async def relay(response: httpx.Response, upstream: Upstream, *, stream: bool, notes: list[str],
+                redactor: Redactor, request_id: str) -> Response:
+    """The client's answer from an upstream's response (its body not yet read).
+
+    Raises APIError 502 when the upstream failed (5xx, or its body broke off)."""
+    headers = {"x-foretell-upstream": upstream.name}
+    for name in RELAYED_HEADERS:
+        if name in response.headers:
+            headers[name] = redactor.text(response.headers[name])
+    if notes:
+        headers["x-foretell-note"] = "; ".join(notes)
+    if response.status_code >= 500:
+        try:
+            detail = redactor.bytes(await _read_some(response, MAX_ERROR_BODY)).decode("utf-8", "replace")
+        except httpx.HTTPError:
+            detail = ""
+        finally:
+            await response.aclose()
+        raise APIError(502, f"upstream {upstream.name!r} answered {response.status_code}: {detail[:500]}",
+                       type="upstream_error", code="upstream_error")
+    content_type = redactor.text(response.headers.get("content-type", "application/json"))
+    if stream and response.status_code < 400 and "text/event-stream" in content_type:
+        return StreamingResponse(relay_events(response, upstream.name, redactor, request_id),
+                                 status_code=response.status_code, media_type="text/event-stream",
+                                 headers=headers, background=BackgroundTask(response.aclose))
+    try:
+        raw = redactor.bytes(await response.aread())  # decoded, whatever the upstream compressed
+    except httpx.HTTPError as error:
+        raise APIError(502, f"upstream {upstream.name!r} broke off its answer: {type(error).__name__}",
+                       type="upstream_error", code="upstream_error") from None
+    finally:
+        await response.aclose()
+    if notes and response.status_code < 400:
+        try:
+            payload = json.loads(raw)
+            payload.setdefault("foretell", {})["notes"] = notes
+            raw = json.dumps(payload).encode()
+        except (ValueError, AttributeError):  # not JSON, or not an object
+            pass
+    return Response(raw, status_code=response.status_code, media_type=content_type, headers=headers)
+
+
+async def relay_events(response: httpx.Response, name: str, redactor: Redactor, request_id: str):
+    """An upstream's event stream, decoded and redacted, passed on event by event.
+
+    Whole events only: a key never spans the blank line that ends an event, and a stream that
+    breaks off leaves no half event for the client to choke on; it ends with an error event and
+    ``[DONE]``, as a local generation that fails."""
+    pending = b""
+    try:
+        async for chunk in response.aiter_bytes():
+            pending += chunk
+            cut = max((pending.rfind(end) + len(end) for end in EVENT_ENDS if end in pending), default=0)
+            if not cut and len(pending) > MAX_HELD_EVENT:
+                cut = len(pending) - redactor.held_back(pending)
+            if cut:
+                yield redactor.bytes(pending[:cut])
+                pending = pending[cut:]
+    except httpx.HTTPError as error:
+        log.warning("%s: upstream %r broke off its stream: %s", request_id, name, type(error).__name__)
+        failure = APIError(502, f"upstream {name!r} broke off the stream: {type(error).__name__}",
+                           type="upstream_error", code="upstream_error")
+        yield b"data: " + json.dumps(failure.body()).encode() + b"\n\n"
+        yield b"data: [DONE]\n\n"
+        return
+    if pending:
+        yield redactor.bytes(pending)
+
+
+async def _read_some(response: httpx.Response, limit: int) -> bytes:
+    data = b""
+    async for chunk in response.aiter_bytes():
+        data += chunk
+        if len(data) >= limit:
+            break
+    return data

@@ -117,7 +117,8 @@ def raw(server, path, body=None, *, content=None, key=API_KEY, method="POST"):
     headers = {"authorization": f"Bearer {key}"} if key else {}
     if content is None and body is not None:
         content = json.dumps(body).encode()
-        headers["content-type"] = "application/json"
+    if content is not None:
+        headers["content-type"] = "application/json"  # the server takes nothing else on POST /v1/*
     return httpx.request(method, server["base"] + path, content=content, headers=headers, timeout=60)
 
 
@@ -261,14 +262,14 @@ def test_n_choices(client):
 
 def test_chat_fallback_template_without_a_chat_template():
     from foretell.proxy.server.schema import ChatMessage
-    from foretell.proxy.server.app import _chat_prompt
+    from foretell.proxy.server.prompts import chat_prompt
 
     class NoTemplate:
         chat_template = None
 
     messages = [ChatMessage(role="system", content="Be brief."),
                 ChatMessage(role="user", content=[{"type": "text", "text": "Hi"}])]
-    assert _chat_prompt(NoTemplate(), messages) == "System: Be brief.\nUser: Hi\nAssistant:"
+    assert chat_prompt(NoTemplate(), messages) == "System: Be brief.\nUser: Hi\nAssistant:"
 
 
 def test_unknown_fields_are_ignored(server):
@@ -347,7 +348,7 @@ def test_every_response_carries_a_request_id(server):
 # ---- load: disconnects and the bounded queue --------------------------------------------------
 
 def _metric(server, name: str, **labels) -> float:
-    text = httpx.get(server["base"] + "/metrics").text
+    text = httpx.get(server["base"] + "/metrics", headers={"authorization": f"Bearer {API_KEY}"}).text
     total = 0.0
     for line in text.splitlines():
         if line.startswith(name) and all(f'{k}="{v}"' in line for k, v in labels.items()):
@@ -413,7 +414,7 @@ def test_full_queue_answers_429_with_retry_after(server):
 def test_metrics_expose_speculation_counters(server, client):
     client.completions.create(model=MODEL, prompt=PROMPT * 3, max_tokens=20, temperature=0,
                               extra_body={"speculation": {"prompt_lookup": True}})
-    text = httpx.get(server["base"] + "/metrics").text
+    text = httpx.get(server["base"] + "/metrics", headers={"authorization": f"Bearer {API_KEY}"}).text
     for name in ("foretell_spec_decode_num_draft_tokens_total", "foretell_spec_decode_num_accepted_tokens_total",
                  "foretell_spec_decode_num_accepted_tokens_per_pos_total", "foretell_time_to_first_token_seconds",
                  "foretell_inter_token_latency_seconds", "foretell_generation_tokens_total",

@@ -1,0 +1,64 @@
+"""A request's prompt as token ids: the chat template (or a plain transcript), then tokenisation.
+
+This is CPU work in proportion to the request (a 4 MB prompt takes seconds to tokenise), so the
+server runs it on a worker thread, never on the event loop, and a prompt far over the context is
+refused after tokenising a bounded prefix of it.
+"""
+
+from __future__ import annotations
+
+from foretell.proxy.server.schema import APIError
+
+# No token of common vocabularies spans more characters than this (Gemma's longest: 31), so a
+# prefix of this many characters per token of the context holds more tokens than the context:
+# a longer prompt is refused on its prefix, and only prompts shorter than that are tokenised whole.
+PREFIX_CHARS_PER_TOKEN = 32
+# Tokens that cutting a text may add at the cut (a word split in two), at most.
+CUT_SLACK = 16
+
+
+def request_prompt_ids(tokenizer, parsed, is_chat: bool, context: int | None) -> list[int]:
+    """The prompt token ids of a validated request; APIError 400 when they do not fit the
+    model's context (None: the model names none) or the chat template refuses the messages."""
+    text = chat_prompt(tokenizer, parsed.messages) if is_chat else parsed.prompt
+    return prompt_ids(tokenizer, text, context, param="messages" if is_chat else "prompt")
+
+
+def prompt_ids(tokenizer, text: str, context: int | None, param: str) -> list[int]:
+    # Chat templates write the BOS token themselves; do not add a second one.
+    has_bos = bool(tokenizer.bos_token) and text.startswith(tokenizer.bos_token)
+
+    def encode(part: str) -> list[int]:
+        return tokenizer(part, add_special_tokens=not has_bos)["input_ids"]
+
+    if context is None:
+        return encode(text)
+    prefix_chars = PREFIX_CHARS_PER_TOKEN * context
+    if len(text) > prefix_chars:
+        # Refused on a prefix: if a prefix alone holds more tokens than the context (less those
+        # the cut may have added), so does the whole. Tokenising megabytes whole would take
+        # seconds of CPU only to refuse them, and creating and freeing a Python object per
+        # token holds the GIL (stalling the event loop) for a tenth of a second.
+        _check_fits(len(encode(text[:prefix_chars])) - CUT_SLACK, context, param, at_least=True)
+    ids = encode(text)
+    _check_fits(len(ids), context, param)
+    return ids
+
+
+def _check_fits(count: int, context: int, param: str, at_least: bool = False) -> None:
+    if count >= context:
+        raise APIError(400, f"the prompt has {'at least ' if at_least else ''}{count} tokens; this model's "
+                       f"context is {context}", param=param, code="context_length_exceeded")
+
+
+def chat_prompt(tokenizer, messages) -> str:
+    turns = [{"role": "system" if m.role == "developer" else m.role, "content": m.text()}
+             for m in messages]
+    if getattr(tokenizer, "chat_template", None):
+        try:
+            return tokenizer.apply_chat_template(turns, tokenize=False, add_generation_prompt=True)
+        except Exception as error:  # a template that rejects this conversation (e.g. roles)
+            raise APIError(400, f"the model's chat template rejected the messages: {error}",
+                           param="messages") from None
+    lines = [f"{turn['role'].capitalize()}: {turn['content']}" for turn in turns]
+    return "\n".join(lines) + "\nAssistant:"
