@@ -1,0 +1,247 @@
+"""A repeatable probe: a table of bad (and a few good but unusual) requests against a running
+tiny-model server. Every answer must be a 4xx in OpenAI's envelope (with ``error.message`` and an
+``x-request-id``) or a correct 200, and ``/health`` must answer within 100 ms all along.
+
+Add a row whenever a new kind of bad input turns up."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+
+import httpx
+import pytest
+
+from tests.proxy.live_server import live_server
+
+API_KEY = "sk-probe"
+MODEL = "tiny"
+LIMIT = 200_000
+C, CHAT = "/v1/completions", "/v1/chat/completions"
+OK = 200
+
+
+def completion(**fields):
+    return {"model": MODEL, "prompt": "def f(", "max_tokens": 3, **fields}
+
+
+def chat(**fields):
+    return {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 3, **fields}
+
+
+def raw(text: str) -> bytes:
+    return text.encode()
+
+
+# (name, path, body: dict / list / bytes, expected status, extra headers)
+PROBES = [
+    # ---- not JSON, or not an object
+    ("truncated json", C, raw('{"model": "tiny", "prompt": '), 400, {}),
+    ("empty body", C, b"", 400, {}),
+    ("null body", C, raw("null"), 400, {}),
+    ("array body", C, raw("[]"), 400, {}),
+    ("string body", C, raw('"def f("'), 400, {}),
+    ("number body", C, raw("5"), 400, {}),
+    ("NaN", C, raw('{"model": "tiny", "prompt": "x", "temperature": NaN}'), 400, {}),
+    ("Infinity", C, raw('{"model": "tiny", "prompt": "x", "top_p": Infinity}'), 400, {}),
+    ("5000-digit integer", C, raw('{"model": "tiny", "prompt": "x", "max_tokens": ' + "9" * 5000 + "}"), 400, {}),
+    ("1e400", C, raw('{"model": "tiny", "prompt": "x", "temperature": 1e400}'), 400, {}),
+    ("nested 1000 deep", C, raw('{"model": "tiny", "prompt": ' + "[" * 1000 + "]" * 1000 + "}"), 400, {}),
+    ("nested 100 deep in an unknown field", C, raw('{"model": "tiny", "prompt": "x", "x": ' + "{\"a\": " * 100
+                                                   + "1" + "}" * 100 + "}"), 400, {}),
+    ("invalid utf-8", C, b'{"model": "tiny", "prompt": "\xff\xfe"}', 400, {}),
+    ("utf-8 BOM", C, b"\xef\xbb\xbf" + json.dumps(completion()).encode(), 400, {}),
+    ("body over the limit", C, completion(prompt="x" * (LIMIT + 1)), 413, {}),
+    # ---- headers
+    ("text/plain body", C, completion(), 415, {"content-type": "text/plain"}),
+    ("form body", C, completion(), 415, {"content-type": "application/x-www-form-urlencoded"}),
+    ("no content type", C, completion(), 415, {"content-type": None}),
+    ("foreign host", C, completion(), 421, {"host": "attacker.example"}),
+    ("no key", C, completion(), 401, {"authorization": None}),
+    ("wrong key", C, completion(), 401, {"authorization": "Bearer nope"}),
+    ("basic auth", C, completion(), 401, {"authorization": "Basic c2stcHJvYmU6"}),
+    ("unknown path", "/v1/engines", completion(), 404, {}),
+    # ---- model and prompt
+    ("no model", C, {"prompt": "x"}, 400, {}),
+    ("model is a number", C, completion(model=5), 400, {}),
+    ("empty model", C, completion(model=""), 404, {}),
+    ("unknown model", C, completion(model="gpt-9"), 404, {}),
+    ("no prompt", C, {"model": MODEL}, 400, {}),
+    ("prompt is a number", C, completion(prompt=5), 400, {}),
+    ("prompt of token ids", C, completion(prompt=[1, 2, 3]), 400, {}),
+    ("two prompts", C, completion(prompt=["a", "b"]), 400, {}),
+    ("prompt is an object", C, completion(prompt={"text": "x"}), 400, {}),
+    ("lone surrogate in prompt", C, raw('{"model": "tiny", "prompt": "a\\ud800"}'), 400, {}),
+    ("prompt over the context", C, completion(prompt=" word" * 5000), 400, {}),
+    # ---- numbers
+    ("max_tokens string", C, completion(max_tokens="3"), 400, {}),
+    ("max_tokens zero", C, completion(max_tokens=0), 400, {}),
+    ("max_tokens negative", C, completion(max_tokens=-1), 400, {}),
+    ("max_tokens fraction", C, completion(max_tokens=1.5), 400, {}),
+    ("max_tokens true", C, completion(max_tokens=True), 400, {}),
+    ("max_tokens huge", C, completion(max_tokens=10**30), 400, {}),
+    ("temperature negative", C, completion(temperature=-1), 400, {}),
+    ("temperature 2.5", C, completion(temperature=2.5), 400, {}),
+    ("temperature string", C, completion(temperature="0.5"), 400, {}),
+    ("temperature true", C, completion(temperature=True), 400, {}),
+    ("temperature list", C, completion(temperature=[0.5]), 400, {}),
+    ("top_p zero", C, completion(top_p=0), 400, {}),
+    ("top_p 1.5", C, completion(top_p=1.5), 400, {}),
+    ("top_p string", C, completion(top_p="1"), 400, {}),
+    ("top_p false", C, completion(top_p=False), 400, {}),
+    ("top_k negative", C, completion(top_k=-1), 400, {}),
+    ("top_k string", C, completion(top_k="5"), 400, {}),
+    ("top_k fraction", C, completion(top_k=2.5), 400, {}),
+    ("seed 2**64", C, completion(seed=2**64), 400, {}),
+    ("seed below -2**63", C, completion(seed=-(2**63) - 1), 400, {}),
+    ("seed string", C, completion(seed="1"), 400, {}),
+    ("seed fraction", C, completion(seed=1.5), 400, {}),
+    ("n zero", C, completion(n=0), 400, {}),
+    ("n nine", C, completion(n=9), 400, {}),
+    ("n string", C, completion(n="2"), 400, {}),
+    ("n true", C, completion(n=True), 400, {}),
+    ("n with stream", C, completion(n=2, stream=True), 400, {}),
+    ("logprobs six", C, completion(logprobs=6), 400, {}),
+    ("logprobs negative", C, completion(logprobs=-1), 400, {}),
+    ("logprobs true on completions", C, completion(logprobs=True), 400, {}),
+    # ---- other fields
+    ("stream string", C, completion(stream="yes"), 400, {}),
+    ("stream one", C, completion(stream=1), 400, {}),
+    ("stream_options string", C, completion(stream=True, stream_options="usage"), 400, {}),
+    ("include_usage string", C, completion(stream=True, stream_options={"include_usage": "yes"}), 400, {}),
+    ("empty stop", C, completion(stop=""), 400, {}),
+    ("empty stop in a list", C, completion(stop=["a", ""]), 400, {}),
+    ("17 stops", C, completion(stop=[str(i) for i in range(17)]), 400, {}),
+    ("stop number", C, completion(stop=[5]), 400, {}),
+    ("stop object", C, completion(stop={"a": 1}), 400, {}),
+    ("lone surrogate in stop", C, raw('{"model": "tiny", "prompt": "x", "stop": "\\udc00"}'), 400, {}),
+    ("user number", C, completion(user=5), 400, {}),
+    ("prediction string", C, completion(prediction="def f("), 400, {}),
+    ("prediction other type", C, completion(prediction={"type": "other", "content": "x"}), 400, {}),
+    ("prediction content number", C, completion(prediction={"type": "content", "content": 5}), 400, {}),
+    ("prediction image part", C, completion(prediction={"type": "content", "content": [{"type": "image_url"}]}),
+     400, {}),
+    ("prediction surrogate", C, raw('{"model": "tiny", "prompt": "x", "prediction": {"type": "content", '
+                                    '"content": [{"type": "text", "text": "\\ud800"}]}}'), 400, {}),
+    ("prediction over the limit", C, completion(prediction={"type": "content", "content": "y" * 6000}), 413, {}),
+    ("max_draft zero", C, completion(speculation={"max_draft": 0}), 400, {}),
+    ("prompt_lookup string", C, completion(speculation={"prompt_lookup": "yes"}), 400, {}),
+    ("speculation string", C, completion(speculation="on"), 400, {}),
+    # ---- chat
+    ("no messages", CHAT, {"model": MODEL}, 400, {}),
+    ("empty messages", CHAT, chat(messages=[]), 400, {}),
+    ("messages string", CHAT, chat(messages="hi"), 400, {}),
+    ("message without role", CHAT, chat(messages=[{}]), 400, {}),
+    ("unknown role", CHAT, chat(messages=[{"role": "wizard", "content": "x"}]), 400, {}),
+    ("content number", CHAT, chat(messages=[{"role": "user", "content": 5}]), 400, {}),
+    ("image content", CHAT, chat(messages=[{"role": "user", "content": [{"type": "image_url", "image_url": "x"}]}]),
+     400, {}),
+    ("content surrogate", CHAT, raw('{"model": "tiny", "messages": [{"role": "user", "content": "\\udbff"}]}'),
+     400, {}),
+    ("top_logprobs without logprobs", CHAT, chat(top_logprobs=2), 400, {}),
+    ("top_logprobs 21", CHAT, chat(logprobs=True, top_logprobs=21), 400, {}),
+    ("logprobs string", CHAT, chat(logprobs="yes"), 400, {}),
+    ("max_completion_tokens zero", CHAT, chat(max_completion_tokens=0), 400, {}),
+    # ---- unusual but good
+    ("unicode prompt", C, completion(prompt="héllo wörld — 日本語 🙂 עברית\n"), OK, {}),
+    ("emoji prompt", C, completion(prompt="🙂" * 50), OK, {}),
+    ("empty prompt", C, completion(prompt=""), OK, {}),
+    ("NUL in prompt", C, completion(prompt="a\u0000b"), OK, {}),
+    ("special-token text in prompt", C, completion(prompt="<bos><eos><start_of_turn>"), OK, {}),
+    ("a list of one prompt", C, completion(prompt=["def f("]), OK, {}),
+    ("optional fields null", C, completion(n=None, stream=None, temperature=None, top_p=None, seed=None, stop=None,
+                                           logprobs=None, prediction=None, user=None), OK, {}),
+    ("json with charset", C, completion(), OK, {"content-type": "application/json; charset=utf-8"}),
+    ("loopback by name", C, completion(), OK, {"host": "localhost"}),
+    ("extreme sampling", C, completion(temperature=2, top_p=1e-300, top_k=1, seed=-1), OK, {}),
+    ("largest seed, two choices", C, completion(temperature=0.7, seed=2**64 - 1, n=2), OK, {}),
+    ("integer temperature", C, completion(temperature=1, top_p=1), OK, {}),
+    ("stream", C, completion(stream=True, stream_options={"include_usage": True}), OK, {}),
+    ("unknown fields", C, completion(frequency_penalty=0.5, logit_bias={"1": 2}, suffix="x"), OK, {}),
+    ("chat with null content", CHAT, chat(messages=[{"role": "system", "content": None},
+                                                    {"role": "user", "content": "Hi"}]), OK, {}),
+    ("chat in unicode", CHAT, chat(messages=[{"role": "developer", "content": "Réponds en français ✓"},
+                                             {"role": "user", "content": [{"type": "text", "text": "Grüß dich"}]}]),
+     OK, {}),
+    ("chat stream", CHAT, chat(stream=True), OK, {}),
+]
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory, tiny_model_folder):
+    folder = tmp_path_factory.mktemp("probe")
+    with live_server(tiny_model_folder, folder / "server.log", "--served-model-name", MODEL, "--api-key", API_KEY,
+                     "--max-body-bytes", str(LIMIT), "--max-prediction-chars", "5000") as live:
+        yield live
+
+
+def send(client: httpx.Client, path: str, body, headers: dict) -> httpx.Response:
+    content = body if isinstance(body, bytes) else json.dumps(body).encode()
+    sent = {"authorization": f"Bearer {API_KEY}", "content-type": "application/json", **headers}
+    return client.post(path, content=content, headers={k: v for k, v in sent.items() if v is not None})
+
+
+def problem(response: httpx.Response, path: str, body, expected: int) -> str | None:
+    """What is wrong with an answer, or None."""
+    if response.status_code != expected:
+        return f"status {response.status_code}, expected {expected}: {response.text[:300]}"
+    if not response.headers.get("x-request-id"):
+        return "no x-request-id"
+    if expected != OK:
+        try:
+            error = response.json()["error"]
+        except (ValueError, KeyError, TypeError):
+            return f"not OpenAI's error envelope: {response.text[:300]}"
+        if set(error) != {"message", "type", "param", "code"} or not error["message"]:
+            return f"incomplete envelope: {error}"
+        return None
+    if isinstance(body, dict) and body.get("stream"):
+        events = [line[6:] for line in response.text.splitlines() if line.startswith("data: ")]
+        if events[-1:] != ["[DONE]"] or any("error" in json.loads(e) for e in events[:-1]):
+            return f"a broken stream: {response.text[:300]}"
+        return None
+    answer = response.json()
+    choices = answer.get("choices", [])
+    if len(choices) != (body.get("n") or 1):
+        return f"{len(choices)} choices"
+    texts = [c["message"]["content"] if path == CHAT else c["text"] for c in choices]
+    if not all(isinstance(t, str) for t in texts) or answer["usage"]["completion_tokens"] < 1:
+        return f"not a completion: {answer}"
+    return None
+
+
+def test_every_bad_input_gets_a_clear_answer_and_health_stays_fast(server):
+    latencies, done = [], threading.Event()
+
+    def watch_health():
+        with httpx.Client(base_url=server.base, timeout=10) as health:
+            while not done.is_set():
+                started = time.perf_counter()
+                health.get("/health").raise_for_status()
+                latencies.append(time.perf_counter() - started)
+                time.sleep(0.02)
+
+    watcher = threading.Thread(target=watch_health)
+    watcher.start()
+    problems = []
+    try:
+        with httpx.Client(base_url=server.base, timeout=60) as client:
+            for name, path, body, expected, headers in PROBES:
+                issue = problem(send(client, path, body, headers), path, body, expected)
+                if issue:
+                    problems.append(f"{name}: {issue}")
+            # Not POSTs, same promise.
+            for name, method, path, expected in [("GET a POST endpoint", "GET", C, 405),
+                                                 ("DELETE models", "DELETE", "/v1/models", 405),
+                                                 ("metrics without the key", "GET", "/metrics", 401)]:
+                issue = problem(client.request(method, path, headers={"authorization": f"Bearer {API_KEY}"}
+                                               if path != "/metrics" else {}), path, None, expected)
+                if issue:
+                    problems.append(f"{name}: {issue}")
+    finally:
+        done.set()
+        watcher.join()
+    assert not problems, "\n".join(problems)
+    assert "Traceback" not in server.log(), server.log()[-3000:]
+    assert len(latencies) > 20 and max(latencies) < 0.1, sorted(latencies)[-5:]
