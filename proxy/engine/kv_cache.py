@@ -133,6 +133,7 @@ class PagedKVCache:
         self._entry_ids = 0
         self.layout: StepLayout | None = None
         self.hits = self.lookups = 0  # prompt tokens found in / looked up in the prefix cache
+        self.evictions = 0  # prefix entries dropped to make room
 
     # ---- capacity ------------------------------------------------------------------------
 
@@ -197,6 +198,7 @@ class PagedKVCache:
             block = entry.blocks.get(group)
             if block is not None and self.pools[group].refs[block] == 1:
                 del self.prefix[key]
+                self.evictions += 1
                 for g, b in entry.blocks.items():
                     if b is not None:
                         self.pools[g].release(b)

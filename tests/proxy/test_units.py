@@ -1,23 +1,43 @@
-"""Small pure functions: stop decisions, draft-length choice, prediction usage."""
+"""Small pure pieces: stop decisions, draft-length choice, the pass-cost fit, prediction usage."""
 
 from __future__ import annotations
+
+import itertools
 
 import pytest
 
 from foretell.proxy.engine.draft_length import (
     AcceptanceEstimate,
+    DraftOption,
+    OnlinePassCost,
     PassCostModel,
     best_draft_length,
+    choose_step_drafts,
     expected_tokens,
 )
+from foretell.proxy.engine.draft_sources import PromptLookupSource
+from foretell.proxy.engine.kv_cache import SequenceBlocks
 from foretell.proxy.engine.prediction_usage import prediction_token_usage
-from foretell.proxy.engine.stopping import decide_stop, find_stop_string
+from foretell.proxy.engine.sequence import GenerationRequest, Sequence
 
 COST = PassCostModel(fixed=0.07, per_position=0.004)
 
 
-def char_decode(ids):  # a toy detokeniser: token i is chr(i)
-    return "".join(chr(i) for i in ids)
+class CharTokenizer:  # a toy tokenizer: token i is chr(i); 1 is EOS and has no text
+    eos_token_id = 1
+
+    def decode(self, ids, skip_special_tokens=True):
+        return "".join(chr(i) for i in ids if not (skip_special_tokens and i == 1))
+
+
+def run_round(new, prev, stop, eos, max_tokens, accepted=0):
+    """Feed ``prev`` then ``new`` through a sequence's accept step, as the engine does."""
+    seq = Sequence(GenerationRequest(prompt_ids=[97], max_tokens=max_tokens, stop=stop), max_tokens,
+                   CharTokenizer(), "cpu", frozenset(eos), SequenceBlocks(tables={}))
+    if prev:
+        seq.accept(0, prev, None)
+    update = seq.accept(accepted, new, None)
+    return seq, update
 
 
 @pytest.mark.parametrize("new,prev,stop,eos,max_tokens,keep,reason", [
@@ -28,17 +48,24 @@ def char_decode(ids):  # a toy detokeniser: token i is chr(i)
     ([97, 98, 99, 100], [], ("bc",), {1}, 10, 3, "stop"),  # stop string completed at token 3
     ([99, 100], [97, 98], ("bc",), {1}, 10, 1, "stop"),  # stop string across rounds
 ])
-def test_decide_stop(new, prev, stop, eos, max_tokens, keep, reason):
-    decision = decide_stop(new, prev, len(char_decode(prev)), char_decode,
-                           eos_token_ids=frozenset(eos), stop=stop, max_tokens=max_tokens)
-    assert (decision.keep, decision.finish_reason) == (keep, reason)
+def test_stop_decisions(new, prev, stop, eos, max_tokens, keep, reason):
+    seq, update = run_round(new, prev, stop, eos, max_tokens)
+    assert (len(update.token_ids), seq.finish_reason) == (keep, reason)
 
 
-def test_stop_text_ends_before_the_stop_string():
-    decision = decide_stop([97, 98, 99, 100], [], 0, char_decode,
-                           eos_token_ids=frozenset(), stop=("cd", "bc"), max_tokens=10)
-    assert decision.text_end == 1  # "a|bc": the earliest stop string wins
-    assert find_stop_string("xxabc", ("bc",), 3) == 3
+def test_stop_text_ends_before_the_stop_string_and_nothing_of_it_streams():
+    seq, first = run_round([97, 98], [], ("cd", "bc"), {1}, 10)
+    assert first.text == "a"  # "b" may start "bc": held back
+    update = seq.accept(0, [99, 100], None)
+    assert update.result.text == "a"  # "a|bc": the earliest stop string wins
+    assert first.text + update.text == update.result.text
+
+
+def test_accepted_count_is_clamped_at_a_stop_inside_the_draft():
+    seq, update = run_round([97, 98, 99, 100, 101, 102], [], ("c",), {1}, 10, accepted=5)
+    assert len(update.token_ids) == 3 and seq.stats.accepted_tokens == 0  # no draft source
+    seq, update = run_round([97, 1, 99, 100], [], (), {1}, 10, accepted=3)
+    assert update.origins == [None, None] and len(seq.origins) == len(seq.output) == 2
 
 
 def test_expected_tokens_formula():
@@ -65,19 +92,72 @@ def test_acceptance_estimate_learns_from_shadow_scores():
     assert estimate.rate > 0.9
 
 
+class FakeClock:
+    """A clock that advances only by what the fake pass says it cost."""
+
+    def __init__(self):
+        self.now = 0.0
+
+    def __call__(self):
+        return self.now
+
+
 def test_pass_cost_fit_recovers_a_line():
-    calls = []
+    clock, calls = FakeClock(), []
 
-    def fake_forward(n):  # deterministic timing is not available; fit on a busy loop instead
+    def fake_forward(n):
         calls.append(n)
-        total = 0
-        for i in range(2000 * (20 + n)):
-            total += i
-        return total
+        clock.now += 0.05 + 0.003 * n
 
-    model = PassCostModel.measure(fake_forward, positions=(1, 9, 33), repeats=3)
-    assert model.per_position > 0 and model.fixed > 0
+    model = PassCostModel.measure(fake_forward, positions=(1, 9, 33), repeats=3, clock=clock)
+    assert model.fixed == pytest.approx(0.05) and model.per_position == pytest.approx(0.003)
     assert calls[0] == 1 and len(calls) == 10
+
+
+def test_online_cost_recovers_from_a_disturbed_start():
+    # Calibrated while the machine was busy: every draft looks dear.
+    online = OnlinePassCost(PassCostModel(fixed=0.118, per_position=0.1179))
+    true = PassCostModel(fixed=0.072, per_position=0.004)
+    assert best_draft_length(0.95, 128, online.model)[0] <= 6
+    # Real traffic: mostly short verify passes, now and then a prefill chunk, a few outliers.
+    sizes = itertools.cycle([1, 1, 2, 1, 5, 1, 256, 1, 9, 1, 17, 1])
+    for index in range(36):
+        n = next(sizes)
+        slowdown = 5.0 if index % 11 == 3 else 1.0  # another process took the CPU
+        online.observe(n, true.at(n) * slowdown)
+    fitted = online.model
+    assert fitted.fixed == pytest.approx(true.fixed, rel=0.15)
+    assert fitted.per_position == pytest.approx(true.per_position, rel=0.15)
+    assert best_draft_length(0.95, 128, fitted)[0] >= 16
+
+
+def test_a_false_anchor_with_a_poor_record_earns_no_draft():
+    # The prediction source keeps re-anchoring on a 12-character match (a run of ~3 tokens)
+    # while it has missed every draft: the measured acceptance must win over the fresh run.
+    assert best_draft_length(0.02, 64, COST, run=3)[0] == 0
+    assert best_draft_length(0.99, 64, COST, run=40)[0] >= 16
+
+
+def test_prompt_lookup_copies_a_loop_with_its_long_continuation():
+    source = PromptLookupSource([5, 6, 7] + [8, 9] * 30)  # a degenerate two-token loop
+    proposal = source.propose(10)
+    assert proposal == [8, 9] * 5  # the most recent match alone has 2 tokens of continuation
+    assert PromptLookupSource([1, 2, 3, 4, 1, 2]).propose(8) == [3, 4, 1, 2]
+
+
+def test_step_drafts_shrink_as_the_batch_grows():
+    option = [DraftOption("prediction", acceptance=0.9, run=None, available=128)]
+    alone = choose_step_drafts([option], 1, COST)[0][1]
+    crowded = choose_step_drafts([option] * 16, 16, COST)
+    assert alone > max(length for _, length in crowded) > 0
+    # Drafts never lower the step's expected rate below no drafts at all.
+    poor = [DraftOption("prompt_lookup", acceptance=0.05, run=None, available=64)]
+    assert choose_step_drafts([poor] * 8, 8, COST) == [(None, 0)] * 8
+
+
+def test_step_drafts_pick_the_better_source():
+    options = [DraftOption("prompt_lookup", 0.3, None, 64), DraftOption("prediction", 0.97, None, 64)]
+    assert choose_step_drafts([options], 1, COST)[0][0] == "prediction"
 
 
 @pytest.mark.parametrize("prediction,completion,accepted,rejected", [
