@@ -119,6 +119,16 @@ def test_unfinished_character_at_the_end_is_flushed(tokenizer):
     assert text == tokenizer.decode(ids) and text.startswith("ab") and text.endswith(REPLACEMENT)
 
 
+def test_unfinished_character_after_a_byte_written_one_is_flushed(tokenizer):
+    """The output ends inside a character right after a character written as bytes (max_tokens
+    can cut there): flush must release the unfinished bytes (as U+FFFD, the docstring's promise),
+    not drop them, and must keep the complete character released before."""
+    ids = tokenizer.convert_tokens_to_ids(["<0xF0>", "<0x9D>", "<0x94>", "<0x98>", "<0xF0>", "<0x9D>"])
+    pieces, text = run(tokenizer, [[t] for t in ids])
+    assert "".join(pieces) == text
+    assert text.startswith("𝔘") and text.endswith(REPLACEMENT), f"unfinished bytes dropped: {text!r}"
+
+
 @pytest.mark.parametrize("sizes", [[1], [2], [5], [9]])
 def test_text_after_an_invalid_byte_is_not_lost(tokenizer, sizes):
     """A complete character written as bytes, then a stray lead byte, then plain text (a model
