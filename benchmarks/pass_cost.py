@@ -14,7 +14,8 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import torch  # noqa: E402
 
-from foretell.proxy.engine import new_cache  # noqa: E402
+from transformers import DynamicCache  # noqa: E402
+
 from foretell.proxy.engine.model_loader import load_model  # noqa: E402
 
 
@@ -34,7 +35,10 @@ def main() -> None:
     parser.add_argument("--model", default=None)
     args = parser.parse_args()
     model = load_model(args.model).model
-    cache = new_cache(model)
+    # The model alone, on transformers' own cache (cropped back after each pass): the engine's
+    # paged cache adds its per-sequence attention on top of this.
+    cache = DynamicCache(config=model.config)
+    cache.activate_past_recording()
     model(input_ids=torch.randint(10, 1000, (1, args.context)), cache=cache, logits_to_keep=1)
     cache.crop(0)
     hidden_size = model.config.hidden_size
