@@ -53,20 +53,17 @@ class IncrementalDetokenizer:
                                                         len(self.ids) - MAX_UNFINISHED_TOKENS)
         for end in range(len(self.ids), lowest - 1, -1):
             text = self._decode(self.ids[self.prefix_offset:end])
-            complete = final or not text.endswith(REPLACEMENT)
-            if complete and text.startswith(prefix_text) and len(text) >= len(prefix_text):
+            if text.startswith(prefix_text):
                 piece = text[len(prefix_text):]
+            else:
+                # The decoder merged the new bytes with the context's (a stray byte after a
+                # character written as bytes turns the whole run into U+FFFDs): the new tokens
+                # on their own, which start at a character boundary.
+                piece = self._decode(self.ids[self.read_offset:end])
+            if final or not piece.endswith(REPLACEMENT):
                 self.prefix_offset, self.read_offset = self.read_offset, end
                 self.text += piece
                 return piece
-        if final:
-            # The window no longer renders its prefix the same way: release the difference of
-            # the whole output, which is still append-only unless the decoder rewrote history.
-            whole = self._decode(self.ids)
-            piece = whole[len(self.text):] if whole.startswith(self.text) else ""
-            self.read_offset = self.prefix_offset = len(self.ids)
-            self.text += piece
-            return piece
         return ""
 
 
