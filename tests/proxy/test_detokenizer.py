@@ -143,6 +143,42 @@ def test_text_after_an_invalid_byte_is_not_lost(tokenizer, sizes):
     assert text.count(REPLACEMENT) >= 1  # the stray byte is visible, not silently dropped
 
 
+def test_random_byte_runs_valid_and_invalid(tokenizer):
+    """Random outputs of byte-written characters, stray bytes, EOS and whole tokens, pushed one
+    token at a time (as the engine does) or in random chunks: valid UTF-8 gives plain decoding's
+    text with no U+FFFD ever streamed; invalid bytes never swallow the whole tokens after them."""
+    byte_id = {b: tokenizer.convert_tokens_to_ids(f"<0x{b:02X}>") for b in range(256)}
+    words = [t for ids in tokenizer([" x", "ab", " 漢字", "\n", " é", "👩"], add_special_tokens=False)["input_ids"]
+             for t in ids]
+    word_text = {t: tokenizer.decode([t]) for t in words}
+    rng = random.Random(3)
+    for trial in range(400):
+        ids = []
+        for _ in range(rng.randint(1, 10)):
+            r = rng.random()
+            if r < 0.4:
+                ids += [byte_id[b] for b in rng.choice(["𝔘", "é", "ℭ", "ꙮ", "😀", "a"]).encode()]
+            elif r < 0.55:
+                ids.append(byte_id[rng.choice([0xF0, 0x9D, 0xC3, 0xE2, 0x80])])  # a stray byte
+            elif r < 0.6:
+                ids.append(tokenizer.eos_token_id)
+            else:
+                ids.append(rng.choice(words))
+        sizes = [1] if trial % 2 == 0 else [rng.randint(1, 6) for _ in range(3)]
+        pieces, text = run(tokenizer, chunks(ids, sizes))
+        context = (tokenizer.convert_ids_to_tokens(ids), sizes)
+        assert "".join(pieces) == text, context
+        expected = tokenizer.decode(ids, skip_special_tokens=True)
+        if REPLACEMENT not in expected:
+            check_append_only(pieces, expected, False)
+        position = 0
+        for token in ids:
+            if token in word_text:
+                found = text.find(word_text[token], position)
+                assert found >= 0, (context, text)
+                position = found + len(word_text[token])
+
+
 # ---- stop strings ----------------------------------------------------------------------------
 
 def feed_all(stop: tuple[str, ...], pieces: list[str]) -> tuple[StopStringHold, list[str]]:
