@@ -132,7 +132,8 @@ class SpeculativeEngine:
         if blocks is None:
             return None
         seq = Sequence(request, max_tokens, self.tokenizer, self.device, self.eos_token_ids, blocks)
-        seq.stats.cached_tokens = self.cache.match_prefix(blocks, seq.prompt)
+        if request.prompt_logprobs is None:
+            seq.stats.cached_tokens = self.cache.match_prefix(blocks, seq.prompt)
         return seq
 
     def abort(self, seq: Sequence) -> GenerationResult:
@@ -155,14 +156,24 @@ class SpeculativeEngine:
         for seq, chunk, verifies in plan:
             start = seq.blocks.committed
             tokens = seq.prompt[start:start + chunk]
+            # Logits from the verify rows on; from the chunk's first row for prompt logprobs.
+            logits_from = chunk if verifies else None
+            if seq.prompt_logprobs is not None and chunk > 0:
+                logits_from = 0
             if verifies:
-                feeds.append((seq.blocks, tokens + [seq.pending] + seq.draft, chunk))
-            else:
-                feeds.append((seq.blocks, tokens, None))
+                tokens = tokens + [seq.pending] + seq.draft
+            feeds.append((seq.blocks, tokens, logits_from))
         started = time.perf_counter()
         logits = self._forward(feeds)
         updates, row = [], 0
         for seq, chunk, verifies in plan:
+            if seq.prompt_logprobs is not None and chunk > 0:
+                # Row i is the distribution of the prompt token after position committed + i.
+                start = seq.blocks.committed
+                seq.prompt_logprobs.extend(token_logprobs(
+                    logits[row:row + chunk], seq.prompt[start + 1:start + chunk + 1],
+                    seq.request.prompt_logprobs))
+                row += chunk
             if not verifies:
                 seq.blocks.committed += chunk
                 continue

@@ -37,6 +37,10 @@ class GenerationRequest:
     # Log-probabilities of the emitted tokens (the model's raw distribution, before temperature
     # and filtering) with this many alternatives each; None: not computed.
     logprobs: int | None = None
+    # Log-probabilities of the prompt's own tokens (OpenAI's legacy ``echo`` with ``logprobs``)
+    # with this many alternatives; None: not computed. Such a request skips the prefix cache
+    # (a cached prefix has no logits).
+    prompt_logprobs: int | None = None
 
 
 @dataclass
@@ -124,6 +128,8 @@ class GenerationResult:
     # Per output token when the request asked for logprobs, else None.
     logprobs: list[TokenLogprob] | None = None
     seed: int | None = None  # the seed a sampled request ran with (its own or a fresh one)
+    # Per prompt token after the first, when the request asked for prompt logprobs, else None.
+    prompt_logprobs: list[TokenLogprob] | None = None
 
 
 @dataclass
@@ -167,6 +173,8 @@ class Sequence:
         self.output: list[int] = []
         self.origins: list[str | None] = []
         self.logprobs: list[TokenLogprob] | None = [] if request.logprobs is not None else None
+        self.prompt_logprobs: list[TokenLogprob] | None = (
+            [] if request.prompt_logprobs is not None else None)
         self.pending = self.prompt[-1]
         self.streamed = 0  # characters of text already handed out
         self.finish_reason: str | None = None
@@ -268,4 +276,5 @@ class Sequence:
                 self.stats.accepted_prediction_tokens, self.stats.rejected_prediction_tokens = accepted, rejected
         return GenerationResult(token_ids=self.output, text=text, finish_reason=self.finish_reason,
                                 stats=self.stats, token_origins=self.origins, logprobs=self.logprobs,
+                                prompt_logprobs=self.prompt_logprobs,
                                 seed=self.sampler.seed if self.sampler is not None else None)
