@@ -27,6 +27,9 @@ class GenerationRequest:
     # Prompt lookup: None means "as the fallback when a prediction is given, else off".
     prompt_lookup: bool | None = None
     stop: tuple[str, ...] = ()
+    # Token ids that end the output as EOS does (never part of the text): a chat template's
+    # end-of-turn tokens. Added to the engine's own EOS ids.
+    stop_token_ids: tuple[int, ...] = ()
     # Upper bound on tokens drafted per round; the chooser usually picks fewer.
     max_draft: int = 128
     # 0 means greedy; > 0 samples (temperature, then top_k, then top_p), speculation included.
@@ -153,7 +156,7 @@ class Sequence:
         self.request = request
         self.prompt = list(request.prompt_ids)
         self.max_tokens = max_tokens
-        self.eos_token_ids = eos_token_ids
+        self.eos_token_ids = frozenset(eos_token_ids) | frozenset(request.stop_token_ids)
         self.blocks = blocks
         self.sources = []
         if request.prediction:

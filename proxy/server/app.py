@@ -25,7 +25,7 @@ from foretell.proxy.engine import GenerationRequest
 from foretell.proxy.server.guard import GuardMiddleware, error_response
 from foretell.proxy.server.logprobs_format import TokenTexts, chat_logprobs, completion_logprobs
 from foretell.proxy.server.metrics import Metrics
-from foretell.proxy.server.prompts import request_prompt_ids
+from foretell.proxy.server.prompts import implied_chat_stops, request_prompt_ids
 from foretell.proxy.server.redact import Redactor
 from foretell.proxy.server.schema import (
     APIError,
@@ -80,6 +80,9 @@ class LocalModel:
         self.tokenizer = loaded.tokenizer
         # The engine's own limit (None: the model names none), checked here before queueing.
         self.context = scheduler.engine.max_positions
+        # What ends a chat answer besides the request's stops: the plain transcript's next role
+        # marker, or the chat template's end-of-turn tokens.
+        self.chat_stops, self.chat_stop_token_ids = implied_chat_stops(self.tokenizer)
 
 
 def _sse(payload) -> bytes:
@@ -245,7 +248,8 @@ def create_app(settings: ServerSettings, load_local=None) -> FastAPI:
         gen_request = GenerationRequest(
             prompt_ids=prompt_ids, max_tokens=requested, prediction=prediction,
             prompt_lookup=speculation.prompt_lookup if speculation else None,
-            stop=parsed.stop_strings(),
+            stop=parsed.stop_strings() + (local.chat_stops if is_chat else ()),
+            stop_token_ids=local.chat_stop_token_ids if is_chat else (),
             max_draft=(speculation and speculation.max_draft) or GenerationRequest.max_draft,
             temperature=parsed.temperature or 0.0, top_p=parsed.top_p or 1.0, top_k=parsed.top_k or None,
             seed=parsed.seed, logprobs=parsed.logprob_alternatives(),

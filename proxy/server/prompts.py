@@ -62,3 +62,49 @@ def chat_prompt(tokenizer, messages) -> str:
                            param="messages") from None
     lines = [f"{turn['role'].capitalize()}: {turn['content']}" for turn in turns]
     return "\n".join(lines) + "\nAssistant:"
+
+
+# ---- where a chat turn ends ------------------------------------------------------------------------
+
+# The plain transcript's role markers at the start of a line: the model writing one has finished
+# its turn and begun inventing the next (a base model continues the conversation otherwise).
+PLAIN_TRANSCRIPT_STOPS = ("\nUser:", "\nSystem:", "\nAssistant:", "\nDeveloper:", "\nTool:")
+# End-of-turn tokens of common template families, looked for in the template's source when
+# rendering a conversation does not show which token closes the assistant's turn.
+KNOWN_END_OF_TURN = ("<end_of_turn>", "<|im_end|>", "<|eot_id|>", "<|end|>", "<|eot|>")
+_SENTINEL = "FORETELLENDOFTURNPROBE"
+
+
+def implied_chat_stops(tokenizer) -> tuple[tuple[str, ...], tuple[int, ...]]:
+    """(stop strings, stop token ids) that end a chat answer besides the request's own stops.
+
+    Without a chat template (the plain transcript): the next role marker. With one: the
+    special tokens the template closes an assistant turn with (Gemma 3: ``<end_of_turn>``); they
+    end the output as EOS does, and being special they never appear in the text."""
+    if not getattr(tokenizer, "chat_template", None):
+        return PLAIN_TRANSCRIPT_STOPS, ()
+    return (), end_of_turn_ids(tokenizer)
+
+
+def end_of_turn_ids(tokenizer) -> tuple[int, ...]:
+    special = set(tokenizer.all_special_ids) | {
+        index for index, token in getattr(tokenizer, "added_tokens_decoder", {}).items() if token.special}
+    found: list[int] = []
+    # What the template writes right after an assistant's message: its first token, if special.
+    try:
+        text = tokenizer.apply_chat_template(
+            [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": _SENTINEL}],
+            tokenize=False)
+        after = text[text.rindex(_SENTINEL) + len(_SENTINEL):].lstrip()
+        ids = tokenizer(after, add_special_tokens=False)["input_ids"] if after else []
+        if ids and ids[0] in special:
+            found.append(ids[0])
+    except Exception:  # a template that refuses this conversation: only the known names below
+        pass
+    source = tokenizer.chat_template if isinstance(tokenizer.chat_template, str) else str(tokenizer.chat_template)
+    for name in KNOWN_END_OF_TURN:
+        index = tokenizer.convert_tokens_to_ids(name)
+        if (name in source and isinstance(index, int) and index in special
+                and index != tokenizer.unk_token_id and index not in found):
+            found.append(index)
+    return tuple(found)
