@@ -25,6 +25,7 @@ from foretell.proxy.engine import GenerationRequest
 from foretell.proxy.server.guard import GuardMiddleware, error_response
 from foretell.proxy.server.logprobs_format import TokenTexts, chat_logprobs, completion_logprobs
 from foretell.proxy.server.metrics import Metrics
+from foretell.proxy.server.origins import OriginSpans
 from foretell.proxy.server.prompts import implied_chat_stops, request_prompt_ids
 from foretell.proxy.server.redact import Redactor
 from foretell.proxy.server.schema import (
@@ -266,8 +267,10 @@ def create_app(settings: ServerSettings, load_local=None) -> FastAPI:
         started = time.perf_counter()
         if parsed.stream:
             include_usage = bool(parsed.stream_options and parsed.stream_options.include_usage)
+            origins = (OriginSpans(local.tokenizer, gen_request.stop)
+                       if speculation and speculation.report_origins else None)
             return StreamingResponse(
-                stream_events(request, local, job, ids, created, is_chat, include_usage, started),
+                stream_events(request, local, job, ids, created, is_chat, include_usage, started, origins),
                 media_type="text/event-stream")
         results = await collect(request, local, job, started)
         return completion_body(local, results, ids, created, is_chat)
@@ -312,7 +315,8 @@ def create_app(settings: ServerSettings, load_local=None) -> FastAPI:
                     (now - first) / (result.stats.completion_tokens - 1))
         metrics.e2e_latency.labels(local.name).observe(now - started)
 
-    async def stream_events(request, local: LocalModel, job, ids, created, is_chat, include_usage, started):
+    async def stream_events(request, local: LocalModel, job, ids, created, is_chat, include_usage, started,
+                            origins: OriginSpans | None = None):
         kind = "chat.completion.chunk" if is_chat else "text_completion"
 
         def chunk(choice: dict, usage=None, extra=None) -> bytes:
@@ -351,8 +355,11 @@ def create_app(settings: ServerSettings, load_local=None) -> FastAPI:
                     return
                 if isinstance(event, TokensEvent):
                     first = first or time.perf_counter()
+                    if origins is not None:  # the report_origins extension
+                        origins.add(event.token_ids, event.origins)
                     if event.text or event.logprobs:
-                        yield chunk(choice(event.text, logprobs=event.logprobs))
+                        extra = {"foretell": origins.report(event.text)} if origins is not None else None
+                        yield chunk(choice(event.text, logprobs=event.logprobs), extra=extra)
                     continue
                 if isinstance(event, ErrorEvent):
                     yield _sse(_generation_error(event.error).body())

@@ -82,12 +82,15 @@ class Prediction(_Lenient):
 
 
 class Speculation(_Lenient):
-    """foretell's extension: ``{"prompt_lookup": true, "max_draft": 64}``.
+    """foretell's extension: ``{"prompt_lookup": true, "max_draft": 64, "report_origins": true}``.
 
-    ``prompt_lookup`` unset means: on as the fallback when a prediction is given, else off."""
+    ``prompt_lookup`` unset means: on as the fallback when a prediction is given, else off.
+    ``report_origins`` (streams only) adds a ``foretell`` field to each chunk: its text in runs
+    by origin (see ``origins.py``)."""
 
     prompt_lookup: StrictBool | None = None
     max_draft: StrictInt | None = Field(default=None, ge=1, le=512)
+    report_origins: StrictBool | None = None
 
 
 class StreamOptions(_Lenient):
