@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import gc
 import json
 import logging
 import threading
@@ -102,6 +103,11 @@ def create_app(settings: ServerSettings, load_local=None) -> FastAPI:
             state["local"] = (load_local or _default_loader(settings))(metrics)
         except Exception as error:  # reported by /health, the server stays up
             state["load_error"] = f"{type(error).__name__}: {error}"
+        # torch, transformers and the model are hundreds of thousands of objects that live as
+        # long as the server: out of the garbage collector's full passes, which would otherwise
+        # walk them all (half a second, the GIL held, the event loop stalled) whenever a large
+        # request's objects set one off.
+        gc.freeze()
 
     @contextlib.asynccontextmanager
     async def lifespan(app):
@@ -129,23 +135,7 @@ def create_app(settings: ServerSettings, load_local=None) -> FastAPI:
 
     async def read_body(request: Request) -> dict:
         raw = await request.body()  # GuardMiddleware has bounded it to settings.max_body_bytes
-        try:
-            text = raw.decode("utf-8")
-        except UnicodeDecodeError:
-            raise APIError(400, "request body is not valid UTF-8", code="invalid_encoding") from None
-        try:
-            body = json.loads(text, parse_constant=_refuse_constant)
-        except RecursionError:
-            raise APIError(400, f"request body is nested deeper than {MAX_JSON_DEPTH} levels",
-                           code="invalid_json") from None
-        except ValueError as error:  # not JSON, NaN / Infinity, or an integer of > 4300 digits
-            raise APIError(400, f"request body is not valid JSON: {error}", code="invalid_json") from None
-        if not isinstance(body, dict):
-            raise APIError(400, "request body must be a JSON object", code="invalid_json")
-        if _json_depth(body) > MAX_JSON_DEPTH:
-            raise APIError(400, f"request body is nested deeper than {MAX_JSON_DEPTH} levels",
-                           code="invalid_json")
-        return body
+        return await asyncio.to_thread(_parse_body, raw)  # megabytes of JSON: off the event loop
 
     # ---- plain endpoints -------------------------------------------------------------------
 
@@ -187,7 +177,8 @@ def create_app(settings: ServerSettings, load_local=None) -> FastAPI:
 
     async def generate(request: Request, body: dict, schema, path: str):
         try:
-            parsed = schema.model_validate(body)
+            # A body of many small parts (100k messages) takes a second to validate.
+            parsed = await asyncio.to_thread(schema.model_validate, body)
         except ValidationError as error:
             message, param = describe_validation_error(error)
             raise APIError(400, message, param=param) from None
@@ -409,14 +400,35 @@ def _refuse_constant(name: str):
     raise ValueError(f"{name} is not a JSON number")
 
 
+def _parse_body(raw: bytes) -> dict:
+    """A request body as a JSON object, or APIError 400."""
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError:
+        raise APIError(400, "request body is not valid UTF-8", code="invalid_encoding") from None
+    try:
+        body = json.loads(text, parse_constant=_refuse_constant)
+    except RecursionError:
+        raise APIError(400, f"request body is nested deeper than {MAX_JSON_DEPTH} levels",
+                       code="invalid_json") from None
+    except ValueError as error:  # not JSON, NaN / Infinity, or an integer of > 4300 digits
+        raise APIError(400, f"request body is not valid JSON: {error}", code="invalid_json") from None
+    if not isinstance(body, dict):
+        raise APIError(400, "request body must be a JSON object", code="invalid_json")
+    if _json_depth(body) > MAX_JSON_DEPTH:
+        raise APIError(400, f"request body is nested deeper than {MAX_JSON_DEPTH} levels",
+                       code="invalid_json")
+    return body
+
+
 def _json_depth(value) -> int:
     """How deeply a parsed JSON value nests (iteratively: no recursion limit to hit)."""
-    deepest, todo = 0, [(value, 1)]
+    deepest, todo = 1, [(value, 1)]
     while todo:
-        value, depth = todo.pop()
-        if isinstance(value, (dict, list)):
-            deepest = max(deepest, depth)
-            todo += [(item, depth + 1) for item in (value.values() if isinstance(value, dict) else value)]
+        container, depth = todo.pop()
+        deepest = max(deepest, depth)
+        items = container.values() if isinstance(container, dict) else container
+        todo += [(item, depth + 1) for item in items if isinstance(item, (dict, list))]
     return deepest
 
 

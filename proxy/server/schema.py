@@ -46,7 +46,7 @@ class _Lenient(BaseModel):
     @classmethod
     def _null_means_default(cls, data):
         # OpenAI treats an optional field sent as null as not sent.
-        if isinstance(data, dict):
+        if isinstance(data, dict) and None in data.values():
             return {key: value for key, value in data.items() if value is not None}
         return data
 
