@@ -62,6 +62,20 @@ def _top_p(value: str) -> float:
     return number
 
 
+def _log_level(value: str) -> str:
+    level = value.strip().lower()
+    if level not in ("debug", "info", "warning", "error"):
+        raise argparse.ArgumentTypeError(f"must be debug, info, warning or error, got {value}")
+    return level
+
+
+def _log_format(value: str) -> str:
+    fmt = value.strip().lower()
+    if fmt not in ("text", "json"):
+        raise argparse.ArgumentTypeError(f"must be text or json, got {value}")
+    return fmt
+
+
 def _seconds(value: str) -> float:
     number = float(value)
     if not number > 0:
@@ -240,6 +254,14 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--no-calibrate", action="store_true",
                        default=env("FORETELL_NO_CALIBRATE", "") not in ("", "0"),
                        help="skip measuring the pass cost at start-up (env: FORETELL_NO_CALIBRATE=1)")
+    serve.add_argument("--log-level", type=_log_level, metavar="LEVEL",
+                       default=_FromEnv("FORETELL_LOG_LEVEL", "info", _log_level),
+                       help="debug, info (default), warning or error; info logs one foretell.access "
+                            "line per request (env: FORETELL_LOG_LEVEL)")
+    serve.add_argument("--log-format", type=_log_format, metavar="FORMAT",
+                       default=_FromEnv("FORETELL_LOG_FORMAT", "text", _log_format),
+                       help="text (default) or json (one object a line) on stderr "
+                            "(env: FORETELL_LOG_FORMAT)")
 
     edit = commands.add_parser(
         "edit",
@@ -353,18 +375,6 @@ def run_generate(args: argparse.Namespace) -> int:
     return 0
 
 
-def _log_to_stderr(name: str) -> None:
-    """The server's own log lines (one per failed or abandoned request) on stderr."""
-    import logging
-
-    handler = logging.StreamHandler()
-    handler.setFormatter(logging.Formatter("%(levelname)s:  %(message)s"))
-    logger = logging.getLogger(name)
-    logger.addHandler(handler)
-    logger.setLevel(logging.INFO)
-    logger.propagate = False
-
-
 def run_serve(args: argparse.Namespace) -> int:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     with _needs_proxy_extra("serve"):
@@ -386,10 +396,17 @@ def run_serve(args: argparse.Namespace) -> int:
         allowed_hosts=tuple(h.strip() for h in args.allowed_hosts.split(",") if h.strip()),
         metrics_public=args.metrics_public,
     )
-    _log_to_stderr("foretell.proxy.server")
-    print(f"foretell: serving on http://{args.host}:{args.port}/v1 (loading the model; "
-          "/health answers 503 until it is ready)", file=sys.stderr, flush=True)
-    uvicorn.run(create_app(settings), host=args.host, port=args.port, log_level="warning")
+    import logging
+
+    from foretell.proxy.server.logs import configure_logging
+
+    configure_logging(args.log_level, args.log_format)
+    logging.getLogger("foretell.server").info(
+        "serving on http://%s:%s/v1 (loading the model; /health answers 503 until it is ready)",
+        args.host, args.port)
+    # uvicorn's own access log is off (foretell.access replaces it); its errors go through our handler.
+    uvicorn.run(create_app(settings), host=args.host, port=args.port, log_config=None,
+                log_level=args.log_level, access_log=False)
     return 0
 
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
 import shutil
 import sys
@@ -46,8 +47,16 @@ def cache_root() -> Path:
     return base / "models"
 
 
+# Where progress lines go: stderr (the command line), or this logger once the server has set up
+# its logs (so that they follow --log-format).
+progress_logger: logging.Logger | None = None
+
+
 def _log(message: str) -> None:
-    print(f"foretell: {message}", file=sys.stderr, flush=True)
+    if progress_logger is not None:
+        progress_logger.info(message)
+    else:
+        print(f"foretell: {message}", file=sys.stderr, flush=True)
 
 
 def _sha256(path: Path) -> str:

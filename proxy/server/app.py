@@ -24,11 +24,13 @@ from starlette.exceptions import HTTPException
 
 from foretell.proxy.engine import GenerationRequest
 from foretell.proxy.server.guard import GuardMiddleware, error_response
+from foretell.proxy.server.logs import AccessLogMiddleware, note, note_result
 from foretell.proxy.server.logprobs_format import TokenTexts, chat_logprobs, completion_logprobs
 from foretell.proxy.server.metrics import Metrics
 from foretell.proxy.server.origins import OriginSpans
 from foretell.proxy.server.prompts import implied_chat_stops, request_prompt_ids
 from foretell.proxy.server.redact import Redactor
+from foretell.proxy.server.route_errors import route_error
 from foretell.proxy.server.schema import (
     APIError,
     ChatCompletionRequest,
@@ -38,7 +40,7 @@ from foretell.proxy.server.schema import (
 from foretell.proxy.server.upstream import Forwarder, RouteTable, prepare_body, relay
 from foretell.proxy.engine.scheduler import DoneEvent, ErrorEvent, QueueFullError, TokensEvent
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("foretell.server")
 
 # JSON nested deeper than this is refused (OpenAI bodies are shallow; deep nesting only costs).
 MAX_JSON_DEPTH = 64
@@ -129,9 +131,12 @@ def create_app(settings: ServerSettings, load_local=None) -> FastAPI:
     @app.exception_handler(HTTPException)
     async def _http_error(request: Request, error: HTTPException):
         # Unknown paths and methods (404, 405) in the same envelope as every other error.
-        return error_response(APIError(error.status_code, str(error.detail), headers=error.headers))
+        return error_response(route_error(request.method, request.url.path, error.status_code,
+                                          str(error.detail), error.headers,
+                                          [getattr(route, "path", None) for route in app.routes]))
 
     app.add_middleware(GuardMiddleware, settings=settings, metrics=metrics)
+    app.add_middleware(AccessLogMiddleware)  # outside the guard: one foretell.access line per request
 
     async def read_body(request: Request) -> dict:
         raw = await request.body()  # GuardMiddleware has bounded it to settings.max_body_bytes
@@ -187,9 +192,11 @@ def create_app(settings: ServerSettings, load_local=None) -> FastAPI:
         if settings.served_model_name:
             local_names.add(settings.served_model_name)
         route = settings.routes.route_for(parsed.model, local_names)
+        note(request.scope, model=parsed.model)
         if route is None:
             raise APIError(404, f"model {parsed.model!r} does not exist", param="model",
                            code="model_not_found")
+        note(request.scope, route="local" if route.local else route.upstream)
         if not route.local:
             return await forward(request, settings.routes.upstreams[route.upstream], path, body, parsed.stream)
         if local is None:
@@ -199,6 +206,7 @@ def create_app(settings: ServerSettings, load_local=None) -> FastAPI:
             return await run_local(request, local, parsed, path)
         except QueueFullError:
             if route.fallback:
+                note(request.scope, route=route.fallback)
                 return await forward(request, settings.routes.upstreams[route.fallback], path, body,
                                      parsed.stream)
             raise APIError(429, "the server is busy: queue full", type="rate_limit_error",
@@ -292,6 +300,7 @@ def create_app(settings: ServerSettings, load_local=None) -> FastAPI:
                     raise _generation_error(event.error)
                 else:
                     observe(local, event.result, started, first)
+                    note_result(request.scope, event.result)
                     results[event.choice] = event.result
             return results
         except ClientGone:
@@ -358,6 +367,7 @@ def create_app(settings: ServerSettings, load_local=None) -> FastAPI:
                     return
                 result = event.result
                 observe(local, result, started, first)
+                note_result(request.scope, result)
                 yield chunk(choice(None if is_chat else "", finish_reason=_finish(result)))
                 if include_usage:
                     yield chunk(None, usage=usage_body(result), extra={"speculation": speculation_body(result)})

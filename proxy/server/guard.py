@@ -28,7 +28,7 @@ from foretell import __version__
 from foretell.proxy.server.metrics import Metrics
 from foretell.proxy.server.schema import APIError
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("foretell.server")
 
 FORETELL_VERSION = __version__.encode()
 KNOWN_PATHS = {"/health", "/metrics", "/v1/models", "/v1/completions", "/v1/chat/completions"}

@@ -43,7 +43,7 @@ from starlette.responses import Response, StreamingResponse
 from foretell.proxy.server.redact import Redactor
 from foretell.proxy.server.schema import APIError
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("foretell.server")
 
 # Body fields that are foretell's own and never go upstream.
 LOCAL_ONLY_FIELDS = ("speculation",)
