@@ -181,6 +181,9 @@ def build_parser() -> argparse.ArgumentParser:
                                "seed, printed with the statistics)")
     generate.add_argument("--no-calibrate", action="store_true",
                           help="skip measuring the pass cost at start-up (uses built-in figures)")
+    generate.add_argument("--recalibrate", action="store_true",
+                          help="measure the pass cost again instead of reusing this machine's cached "
+                               "calibration of the model (under the foretell cache folder)")
     generate.add_argument("--json-stats", action="store_true",
                           help="print the statistics to stderr as one JSON object")
 
@@ -254,6 +257,10 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--no-calibrate", action="store_true",
                        default=env("FORETELL_NO_CALIBRATE", "") not in ("", "0"),
                        help="skip measuring the pass cost at start-up (env: FORETELL_NO_CALIBRATE=1)")
+    serve.add_argument("--recalibrate", action="store_true",
+                       default=env("FORETELL_RECALIBRATE", "") not in ("", "0"),
+                       help="measure the pass cost again instead of reusing this machine's cached "
+                            "calibration of the model (env: FORETELL_RECALIBRATE=1)")
     serve.add_argument("--log-level", type=_log_level, metavar="LEVEL",
                        default=_FromEnv("FORETELL_LOG_LEVEL", "info", _log_level),
                        help="debug, info (default), warning or error; info logs one foretell.access "
@@ -342,7 +349,9 @@ def run_generate(args: argparse.Namespace) -> int:
         raise SystemExit(f"foretell: cannot load model: {error}") from None
     engine = SpeculativeEngine(loaded.model, loaded.tokenizer)
     if not args.no_calibrate:
-        cost = engine.calibrate()
+        from foretell.proxy.engine.calibration_cache import calibrate_with_cache
+
+        cost = calibrate_with_cache(engine, loaded.source, recalibrate=args.recalibrate).pass_cost
         print(f"foretell: pass cost {1000 * cost.fixed:.0f} ms + {1000 * cost.per_position:.1f} ms "
               "per position", file=sys.stderr)
     prompt_ids = loaded.tokenizer(prompt)["input_ids"]
@@ -391,8 +400,9 @@ def run_serve(args: argparse.Namespace) -> int:
         model=args.model, served_model_name=args.served_model_name, api_keys=tuple(args.api_key),
         max_queue=args.max_queue, max_body_bytes=args.max_body_bytes,
         max_prediction_chars=args.max_prediction_chars, default_max_tokens=args.default_max_tokens,
-        calibrate=not args.no_calibrate, routes=routes, max_running=args.max_running,
-        kv_cache_tokens=args.kv_cache_tokens, prefill_chunk=args.prefill_chunk, host=args.host,
+        calibrate=not args.no_calibrate, recalibrate=args.recalibrate, routes=routes,
+        max_running=args.max_running, kv_cache_tokens=args.kv_cache_tokens,
+        prefill_chunk=args.prefill_chunk, host=args.host,
         allowed_hosts=tuple(h.strip() for h in args.allowed_hosts.split(",") if h.strip()),
         metrics_public=args.metrics_public,
     )

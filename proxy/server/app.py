@@ -64,6 +64,7 @@ class ServerSettings:
     max_prediction_chars: int = 1024 * 1024
     default_max_tokens: int = 512
     calibrate: bool = True
+    recalibrate: bool = False  # measure again even when a cached calibration exists
     # The engine's batching: KV cache capacity in tokens, prompt tokens prefilled per step,
     # sequences in flight at once.
     kv_cache_tokens: int = 65536
@@ -477,14 +478,15 @@ def speculation_body(result) -> dict:
 def _default_loader(settings: ServerSettings):
     def load(metrics: Metrics) -> LocalModel:
         from foretell.proxy.engine import SpeculativeEngine
+        from foretell.proxy.engine.calibration_cache import calibrate_with_cache
         from foretell.proxy.engine.model_loader import load_model
         from foretell.proxy.engine.scheduler import Scheduler
 
         loaded = load_model(settings.model)
         engine = SpeculativeEngine(loaded.model, loaded.tokenizer, kv_cache_tokens=settings.kv_cache_tokens,
                                    prefill_chunk=settings.prefill_chunk, max_sequences=settings.max_running)
-        if settings.calibrate:
-            engine.calibrate()
+        if settings.calibrate:  # from the calibration cache when this machine measured it before
+            calibrate_with_cache(engine, loaded.source, recalibrate=settings.recalibrate)
         name = settings.served_model_name or loaded.name
 
         def record(result) -> None:
