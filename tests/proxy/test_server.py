@@ -74,7 +74,7 @@ fallback = "stub"
         [sys.executable, "-m", "foretell.cli", "serve", "--model", str(tiny_model_folder),
          "--served-model-name", MODEL, "--port", str(port), "--api-key", API_KEY, "--config", str(config),
          "--no-calibrate", "--max-queue", "1", "--max-running", "1", "--max-body-bytes", "200000",
-         "--max-prediction-chars", "5000"],
+         "--max-prediction-chars", "5000", "--log-level", "warning"],  # the pipe is read only on failure
         env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     base = f"http://127.0.0.1:{port}"
     saw_loading = False

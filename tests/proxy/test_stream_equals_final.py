@@ -47,7 +47,7 @@ def server(tiny_model_folder):
     process = subprocess.Popen(
         [sys.executable, "-m", "foretell.cli", "serve", "--model", str(tiny_model_folder),
          "--served-model-name", MODEL, "--port", str(port), "--no-calibrate", "--max-queue", "16",
-         "--max-running", "12", "--kv-cache-tokens", "16384"],
+         "--max-running", "12", "--kv-cache-tokens", "16384", "--log-level", "warning"],
         env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     base = f"http://127.0.0.1:{port}"
     deadline = time.time() + 180

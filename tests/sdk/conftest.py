@@ -95,7 +95,8 @@ def live_server():
     env.pop("FORETELL_API_KEY", None)
     env.pop("FORETELL_MODEL", None)
     process = subprocess.Popen(
-        [sys.executable, "-m", "foretell.cli", "serve", "--port", str(port), "--no-calibrate"],
+        [sys.executable, "-m", "foretell.cli", "serve", "--port", str(port), "--no-calibrate",
+         "--log-level", "warning"],  # the pipe is read only on failure: no access lines to fill it
         env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     base = f"http://127.0.0.1:{port}"
     deadline = time.time() + 300
