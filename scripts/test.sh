@@ -4,5 +4,18 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
+# The playground's browser tests drive the system Chromium (Debian's chromium package; Playwright's
+# own browser download is never used). Installed here when missing and we can; otherwise those
+# tests fail, saying what is missing.
+if [ ! -x "${FORETELL_CHROMIUM:-/usr/bin/chromium}" ]; then
+    if command -v apt-get >/dev/null 2>&1 && [ "$(id -u)" = 0 ]; then
+        echo "foretell test: installing Debian's chromium for the browser tests" >&2
+        apt-get update -q >/dev/null
+        DEBIAN_FRONTEND=noninteractive apt-get install -y -q chromium >/dev/null
+    else
+        echo "foretell test: no Chromium at ${FORETELL_CHROMIUM:-/usr/bin/chromium} (install Debian's " \
+             "chromium package, or set FORETELL_CHROMIUM): the browser tests will fail" >&2
+    fi
+fi
 export HF_HUB_OFFLINE=1
 exec .venv/bin/python -m pytest "$@"

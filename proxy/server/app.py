@@ -28,6 +28,7 @@ from foretell.proxy.server.logs import AccessLogMiddleware, note, note_result
 from foretell.proxy.server.logprobs_format import TokenTexts, chat_logprobs, completion_logprobs
 from foretell.proxy.server.metrics import Metrics
 from foretell.proxy.server.origins import OriginSpans
+from foretell.proxy.server.playground import add_playground
 from foretell.proxy.server.prompts import implied_chat_stops, request_prompt_ids
 from foretell.proxy.server.redact import Redactor
 from foretell.proxy.server.route_errors import route_error
@@ -138,6 +139,7 @@ def create_app(settings: ServerSettings, load_local=None) -> FastAPI:
 
     app.add_middleware(GuardMiddleware, settings=settings, metrics=metrics)
     app.add_middleware(AccessLogMiddleware)  # outside the guard: one foretell.access line per request
+    add_playground(app)  # GET /: the playground page
 
     async def read_body(request: Request) -> dict:
         raw = await request.body()  # GuardMiddleware has bounded it to settings.max_body_bytes
