@@ -121,12 +121,13 @@ class PagedKVCache:
             blocks[SLIDING] = math.ceil((sliding_tokens or max_tokens) / block_size)
         self.groups = [g for g in (FULL, SLIDING) if g in self.layer_types]
         self.pools = {g: BlockPool(blocks[g]) for g in self.groups}
-        # One K and one V tensor per layer: [blocks * block_size, kv_heads, head_dim].
+        # One K and one V tensor per layer: [kv_heads, blocks * block_size, head_dim], the model's
+        # own layout, so writes need no transpose and a gather along dim 1 is contiguous.
         self.keys, self.values = [], []
         for layer_type in self.layer_types:
             slots = blocks[layer_type] * block_size
-            self.keys.append(torch.zeros(slots, heads, head_dim, device=self.device, dtype=self.dtype))
-            self.values.append(torch.zeros(slots, heads, head_dim, device=self.device, dtype=self.dtype))
+            self.keys.append(torch.zeros(heads, slots, head_dim, device=self.device, dtype=self.dtype))
+            self.values.append(torch.zeros(heads, slots, head_dim, device=self.device, dtype=self.dtype))
         self.bytes = sum(t.numel() * t.element_size() for t in self.keys + self.values)
         self.prefix: OrderedDict[tuple, PrefixEntry] = OrderedDict()  # LRU order, oldest first
         self._promised = {g: 0 for g in self.groups}  # blocks reserved but not yet taken
@@ -322,9 +323,9 @@ class PagedKVCache:
     def update(self, key_states, value_states, layer_idx: int, kwargs=None):
         group = self.layer_types[layer_idx]
         slots = self.layout.write_slots[group]
-        # [1, kv_heads, T, head_dim] -> [T, kv_heads, head_dim] at the slots.
-        self.keys[layer_idx][slots] = key_states[0].transpose(0, 1)
-        self.values[layer_idx][slots] = value_states[0].transpose(0, 1)
+        # [1, kv_heads, T, head_dim] -> the slots of [kv_heads, slots, head_dim].
+        self.keys[layer_idx][:, slots] = key_states[0]
+        self.values[layer_idx][:, slots] = value_states[0]
         if kwargs is not None:
             kwargs["foretell_cache"] = self
         return key_states, value_states
@@ -352,22 +353,31 @@ def paged_attention(module, query, key, value, attention_mask, dropout=0.0, scal
     layout = cache.layout
     layer = module.layer_idx
     group = cache.layer_types[layer]
-    keys, values = cache.keys[layer], cache.values[layer]
-    groups = query.shape[1] // keys.shape[1]
+    keys, values = cache.keys[layer], cache.values[layer]  # [kv_heads, slots, head_dim]
+    heads = query.shape[1]
     out = torch.empty(query.shape[0], query.shape[2], query.shape[1], query.shape[3],
                       device=query.device, dtype=query.dtype)  # [1, T, heads, head_dim]
     starts = layout.query_starts
     for i, slots in enumerate(layout.read_slots[group]):
         q = query[:, :, starts[i]:starts[i + 1]]  # [1, heads, q, head_dim]
-        k = keys[slots].transpose(0, 1).unsqueeze(0)  # [1, kv_heads, keys, head_dim]
-        v = values[slots].transpose(0, 1).unsqueeze(0)
-        if groups > 1:
-            k = k.repeat_interleave(groups, dim=1)
-            v = v.repeat_interleave(groups, dim=1)
-        mask = layout.masks[group][i]
-        o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scaling)  # [1, heads, q, d]
+        k = keys.index_select(1, slots)  # [kv_heads, keys, head_dim]
+        v = values.index_select(1, slots)
+        mask = layout.masks[group][i]  # [q, keys] or None
+        o = F.scaled_dot_product_attention(q, _per_head(k, heads).unsqueeze(0), _per_head(v, heads).unsqueeze(0),
+                                           attn_mask=mask, scale=scaling)  # [1, heads, q, head_dim]
         out[:, starts[i]:starts[i + 1]] = o.transpose(1, 2)
     return out, None
+
+
+def _per_head(x: torch.Tensor, heads: int) -> torch.Tensor:
+    """[kv_heads, keys, head_dim] -> [heads, keys, head_dim] for grouped-query attention; with one
+    KV head (Gemma 3 270M) a broadcast view, no copy."""
+    kv_heads = x.shape[0]
+    if kv_heads == heads:
+        return x
+    if kv_heads == 1:
+        return x.expand(heads, *x.shape[1:])
+    return x.repeat_interleave(heads // kv_heads, dim=0)
 
 
 def _register() -> None:
