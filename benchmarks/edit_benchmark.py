@@ -26,8 +26,16 @@ and a second table gives their speed-up at the same temperature. Sampled texts d
 modes (other draws), so they are not compared token for token; that the speculative ones follow
 the target's distribution exactly is what tests/proxy/test_sampling.py checks.
 
+With ``--special-cases`` two harder cases join the files, from issue 9's measurements:
+  rename             webbrowser.py (~550 tokens) with "rename `url` to `target`"; the base model
+                     may not do the rename (and has been seen to degenerate), the file before
+                     is the prediction
+  loop               a copy prompt that ends inside a run of lines of three double quotes, so
+                     the model loops;
+                     the prediction (the file) is useless and prompt lookup must copy the loop
+
     python benchmarks/edit_benchmark.py [--files 5] [--min-tokens 300] [--max-tokens 1500]
-        [--skip-hf] [--temperatures 0.7,1.0]
+        [--skip-hf] [--temperatures 0.7,1.0] [--special-cases]
 """
 
 from __future__ import annotations
@@ -81,6 +89,17 @@ def edit(before: str) -> str:
     return "".join(lines)
 
 
+def special_cases(tokenizer) -> list[tuple[str, str, str, str]]:
+    """(name, before, after, prompt) of the rename and degenerate-loop cases."""
+    stdlib = Path(sysconfig.get_paths()["stdlib"])
+    before = cut_to_tokens((stdlib / "webbrowser.py").read_text(), tokenizer, 400, 550)
+    rename = (f"Rename `url` to `target` in webbrowser.py.\n\n{before}\n\n"
+              "Here is webbrowser.py with `url` renamed to `target`:\n\n")
+    loop = copy_prompt("webbrowser.py", before) + '"""\n' * 8
+    return [("rename", before, before.replace("url", "target"), rename),
+            ("loop", before, before, loop)]
+
+
 def copy_prompt(name: str, after: str) -> str:
     # Of the plain copy prompts tried, this one kept Gemma 3 270M (a base model) closest to the
     # file; fenced or tagged variants made it loop or wander on several files.
@@ -125,6 +144,8 @@ def main() -> int:
     parser.add_argument("--max-tokens", type=int, default=1500)
     parser.add_argument("--model", default=None, help="model spec (default: embedded Gemma 3 270M)")
     parser.add_argument("--skip-hf", action="store_true", help="skip the two transformers baselines")
+    parser.add_argument("--special-cases", action="store_true",
+                        help="add the rename and degenerate-loop cases")
     parser.add_argument("--temperatures", default="", metavar="T1,T2",
                         help="also sample at these temperatures, without and with the prediction")
     args = parser.parse_args()
@@ -148,9 +169,12 @@ def main() -> int:
     for name in STDLIB_FILES:
         text = cut_to_tokens((stdlib / name).read_text(), tokenizer, args.min_tokens, args.max_tokens)
         if text:
-            files.append((name, text))
+            after = edit(text)
+            files.append((name, text, after, copy_prompt(name, after)))
         if len(files) == args.files:
             break
+    if args.special_cases:
+        files += special_cases(tokenizer)
 
     modes = ["hf-greedy", "hf-lookup", "foretell-plain", "foretell-lookup", "foretell-pred",
              "foretell-pred+lu", "foretell-useless"]
@@ -162,10 +186,9 @@ def main() -> int:
         sampled_modes[f"pred+lu@{t:g}"] = t
     modes += list(sampled_modes)
     rows = []
-    for index, (name, before) in enumerate(files):
-        after = edit(before)
+    for index, (name, before, after, prompt) in enumerate(files):
         unrelated = files[(index + 1) % len(files)][1]
-        prompt_ids = tokenizer(copy_prompt(name, after))["input_ids"]
+        prompt_ids = tokenizer(prompt)["input_ids"]
         max_new = len(tokenizer.encode(after, add_special_tokens=False))
         reference = None
         for mode in modes:
@@ -209,19 +232,19 @@ def print_summary(rows, modes, files) -> None:
     by = {(r["file"], r["mode"]): r for r in rows}
     base = "hf-greedy" if "hf-greedy" in modes else "foretell-plain"
     sizes = ", ".join(f"{n} ({by[(n, base)]['tokens']} output tokens, copied with similarity "
-                      f"{by[(n, base)]['fidelity']:.2f})" for n, _ in files)
+                      f"{by[(n, base)]['fidelity']:.2f})" for n, *_ in files)
     print(f"\nfiles: {sizes}")
     print(f"\n| mode | median tok/s | median passes/token | median acceptance | "
           f"speed-up vs {base} | speed-up vs hf-lookup | exact |")
     print("|---|---|---|---|---|---|---|")
     for mode in modes:
-        mine = [by[(n, mode)] for n, _ in files]
+        mine = [by[(n, mode)] for n, *_ in files]
         tok_s = statistics.median(r["tok_s"] for r in mine)
         passes = statistics.median(r["passes_per_token"] for r in mine)
         acc = [r["acceptance"] for r in mine if r["acceptance"] is not None]
-        vs_base = statistics.median(by[(n, mode)]["tok_s"] / by[(n, base)]["tok_s"] for n, _ in files)
+        vs_base = statistics.median(by[(n, mode)]["tok_s"] / by[(n, base)]["tok_s"] for n, *_ in files)
         vs_lookup = (statistics.median(by[(n, mode)]["tok_s"] / by[(n, "hf-lookup")]["tok_s"]
-                                       for n, _ in files) if "hf-lookup" in modes else None)
+                                       for n, *_ in files) if "hf-lookup" in modes else None)
         print(f"| {mode} | {tok_s:.1f} | {passes:.3f} | {statistics.median(acc):.2f} | "
               if acc else f"| {mode} | {tok_s:.1f} | {passes:.3f} | - | ", end="")
         print(f"{vs_base:.2f}x | {'-' if vs_lookup is None else f'{vs_lookup:.2f}x'} | "
@@ -234,8 +257,8 @@ def print_sampling_summary(rows, temperatures, files) -> None:
           "pred+lu acceptance | output tokens plain / pred+lu |")
     print("|---|---|---|---|---|---|---|")
     for t in temperatures:
-        plain = [by[(n, f"plain@{t:g}")] for n, _ in files]
-        pred = [by[(n, f"pred+lu@{t:g}")] for n, _ in files]
+        plain = [by[(n, f"plain@{t:g}")] for n, *_ in files]
+        pred = [by[(n, f"pred+lu@{t:g}")] for n, *_ in files]
         speedup = statistics.median(b["tok_s"] / a["tok_s"] for a, b in zip(plain, pred))
         acc = [r["acceptance"] for r in pred if r["acceptance"] is not None]
         print(f"| {t:g} | {statistics.median(r['tok_s'] for r in plain):.1f} | "
@@ -244,7 +267,7 @@ def print_sampling_summary(rows, temperatures, files) -> None:
               f"{statistics.median(acc) if acc else 0:.2f} | "
               f"{sum(r['tokens'] for r in plain)} / {sum(r['tokens'] for r in pred)} |")
     print("\nPer file (tok/s, speed-up):")
-    for n, _ in files:
+    for n, *_ in files:
         cells = [f"T={t:g}: {by[(n, f'plain@{t:g}')]['tok_s']:.1f} -> {by[(n, f'pred+lu@{t:g}')]['tok_s']:.1f}"
                  for t in temperatures]
         print(f"  {n}: " + "; ".join(cells))
