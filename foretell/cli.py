@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from foretell import __version__
+from foretell.origin_colors import CHOICES, legend, paint_spans, paint_within, use_color
 
 
 def _read_file(path: str, what: str) -> tuple[bytes, str]:
@@ -184,6 +185,10 @@ def build_parser() -> argparse.ArgumentParser:
     generate.add_argument("--recalibrate", action="store_true",
                           help="measure the pass cost again instead of reusing this machine's cached "
                                "calibration of the model (under the foretell cache folder)")
+    generate.add_argument("--color", choices=CHOICES, default="auto",
+                          help="colour the text by token origin: green from the prediction, cyan "
+                               "from prompt lookup, plain the model's own (default: auto, when stdout "
+                               "is a terminal and NO_COLOR is unset)")
     generate.add_argument("--json-stats", action="store_true",
                           help="print the statistics to stderr as one JSON object")
 
@@ -304,6 +309,10 @@ def build_parser() -> argparse.ArgumentParser:
                       help="most tokens to generate (default: enough for the whole file and growth)")
     edit.add_argument("--no-prompt-lookup", action="store_true",
                       help="ask a foretell server not to use prompt lookup as the prediction's fallback")
+    edit.add_argument("--color", choices=CHOICES, default="auto",
+                      help="colour the printed file by token origin, as the server reports it: green "
+                           "from the prediction, cyan from prompt lookup (default: auto, when stdout "
+                           "is a terminal and NO_COLOR is unset; not with --diff or --write)")
     edit.add_argument("--timeout", type=_seconds, default=None, metavar="S",
                       help="seconds the whole edit may take, from connecting to the last token "
                            "(default: no limit; each network wait is still limited to 600 s, "
@@ -361,12 +370,23 @@ def run_generate(args: argparse.Namespace) -> int:
         temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed,
     )
 
-    def show(_tokens, text: str, _logprobs) -> None:
-        sys.stdout.write(text)
+    spans = None
+    if use_color(args.color, sys.stdout):
+        from foretell.proxy.server.origins import OriginSpans
+
+        spans = OriginSpans(loaded.tokenizer, request.stop)
+        print(legend(), file=sys.stderr, flush=True)
+
+    def show(update) -> None:
+        if spans is None:
+            sys.stdout.write(update.text)
+        else:  # each piece in the colour of the draft source that wrote it
+            spans.add(update.token_ids, update.origins)
+            sys.stdout.write(paint_spans((s["text"], s["origin"]) for s in spans.split(update.text)))
         sys.stdout.flush()
 
     try:
-        result = engine.generate(request, on_tokens=show)
+        result = engine.generate(request, on_update=show)
     except ValueError as error:
         raise SystemExit(f"foretell: {error}") from None
     if not result.text.endswith("\n"):
@@ -483,15 +503,20 @@ def run_edit(args: argparse.Namespace) -> int:
         raise SystemExit("foretell: the instruction is empty")
 
     progress = sys.stderr.isatty()
+    color = not (args.write or args.diff) and use_color(args.color, sys.stdout)
+    spans: list[tuple[str, str | None]] = []  # the answer in runs by origin, when colouring
     try:
         # --timeout is the SDK's deadline (the whole call), not its per-read timeout.
         with Client(args.base_url, args.api_key, deadline=args.timeout) as client:
             model = args.model or _first_model(client)
             stream = edit_stream(client, text, instruction, model=model, filename=path.name,
                                  max_tokens=args.max_tokens,
-                                 prompt_lookup=False if args.no_prompt_lookup else None)
+                                 prompt_lookup=False if args.no_prompt_lookup else None,
+                                 report_origins=color)
             try:
                 for step in stream:
+                    if color:
+                        spans.extend(step.origins if step.origins is not None else [(step.delta, None)])
                     if progress:
                         print(f"\rforetell edit: ~{step.approx_tokens} tokens, "
                               f"{step.tokens_per_second:.1f} tok/s", end="", file=sys.stderr, flush=True)
@@ -517,6 +542,11 @@ def run_edit(args: argparse.Namespace) -> int:
             print(f"foretell edit: wrote {args.file}", file=sys.stderr)
     elif args.diff:
         sys.stdout.write(result.diff)
+    elif color:
+        print(legend() if any(origin for _, origin in spans) else
+              "foretell edit: the server reported no token origins (not a foretell server?)",
+              file=sys.stderr)
+        sys.stdout.write(paint_within(spans, result.text))
     else:
         sys.stdout.write(result.text)
     sys.stdout.flush()

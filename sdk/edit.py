@@ -23,6 +23,7 @@ import time
 from dataclasses import dataclass
 from typing import Any, AsyncIterator, Iterator
 
+from foretell.sdk._deadline import Deadline
 from foretell.sdk.errors import EditTruncatedError
 from foretell.sdk.types import SpeculationReport, Usage
 
@@ -138,6 +139,9 @@ class EditProgress:
     output: str  # the answer so far
     approx_tokens: int  # estimate from the characters (exact counts come with the result)
     seconds: float
+    # ``delta`` in runs of (text, origin): "prediction", "prompt_lookup", or None for the target
+    # model's own tokens. Only from a foretell server asked with ``report_origins=True``, else None.
+    origins: list[tuple[str, str | None]] | None = None
 
     @property
     def tokens_per_second(self) -> float:
@@ -149,8 +153,9 @@ class _EditCall:
 
     def __init__(self, text: str, instruction: str, model: str, filename: str | None,
                  language: str | None, max_tokens: int | None, temperature: float | None,
-                 prompt_lookup: bool | None, stream: bool, extra: dict):
+                 prompt_lookup: bool | None, stream: bool, extra: dict, report_origins: bool = False):
         self.text, self.filename = text, filename
+        self.report_origins = report_origins
         self.prompt = build_edit_prompt(text, instruction, filename=filename, language=language,
                                         max_tokens=max_tokens)
         self.kwargs = dict(model=model, messages=self.prompt.messages, prediction=self.prompt.prediction,
@@ -172,6 +177,13 @@ class _EditCall:
         self.usage, self.speculation, self.model = response.usage, response.speculation, response.model
         self.request_id = response.request_id
 
+    def ask_for_origins(self, server_kind: str | None) -> None:
+        """Ask a foretell server (only: others do not know the field) for each chunk's origins."""
+        if self.report_origins and server_kind == "foretell":
+            extra_body = dict(self.kwargs.get("extra_body") or {})
+            extra_body["speculation"] = {**extra_body.get("speculation", {}), "report_origins": True}
+            self.kwargs["extra_body"] = extra_body
+
     def take_chunk(self, chunk) -> EditProgress | None:
         self.model = chunk.model or self.model
         self.usage = chunk.usage or self.usage
@@ -183,7 +195,8 @@ class _EditCall:
         if not delta:
             return None
         self.output += delta
-        return EditProgress(delta, self.output, max(1, round(len(self.output) / 4)), self.elapsed())
+        return EditProgress(delta, self.output, max(1, round(len(self.output) / 4)), self.elapsed(),
+                            _origins(chunk))
 
     def result(self) -> EditResult:
         seconds = self.elapsed()
@@ -223,6 +236,20 @@ async def aedit(client, text: str, instruction: str, *, model: str, filename: st
     return call.result()
 
 
+def _origins(chunk) -> list[tuple[str, str | None]] | None:
+    """The chunk's ``foretell.origins`` runs (the report_origins extension), if it has them."""
+    report = chunk._raw.get("foretell") if isinstance(chunk._raw, dict) else None
+    spans = report.get("origins") if isinstance(report, dict) else None
+    if not isinstance(spans, list):
+        return None
+    return [(span.get("text") or "", span.get("origin")) for span in spans if isinstance(span, dict)]
+
+
+def _probe_deadline(client, call: _EditCall) -> Deadline | None:
+    seconds = call.kwargs.get("deadline") or client._deadline
+    return Deadline(seconds) if seconds else None
+
+
 def _run_once(stream) -> None:
     # A second run would send the request again and splice two answers into one output.
     if stream._ran:
@@ -241,6 +268,9 @@ class EditStream:
 
     def __iter__(self) -> Iterator[EditProgress]:
         _run_once(self)
+        if self._call.report_origins:
+            self._call.ask_for_origins(self._client._transport.server_kind(
+                _probe_deadline(self._client, self._call)))
         self._call.started = time.perf_counter()  # time the request, not the wait before iterating
         with self._client.chat.completions.create(**self._call.kwargs) as stream:
             self._call.request_id = stream.request_id
@@ -268,6 +298,9 @@ class AsyncEditStream:
 
     async def __aiter__(self) -> AsyncIterator[EditProgress]:
         _run_once(self)
+        if self._call.report_origins:
+            self._call.ask_for_origins(await self._client._transport.server_kind(
+                _probe_deadline(self._client, self._call)))
         self._call.started = time.perf_counter()
         async with await self._client.chat.completions.create(**self._call.kwargs) as stream:
             self._call.request_id = stream.request_id
@@ -287,16 +320,19 @@ class AsyncEditStream:
 def edit_stream(client, text: str, instruction: str, *, model: str, filename: str | None = None,
                 language: str | None = None, max_tokens: int | None = None,
                 temperature: float | None = 0, prompt_lookup: bool | None = None,
-                **extra: Any) -> EditStream:
-    """``edit``, streamed: progress while the file is written, then ``.result``."""
+                report_origins: bool = False, **extra: Any) -> EditStream:
+    """``edit``, streamed: progress while the file is written, then ``.result``.
+    ``report_origins``: each step's ``origins`` tells which draft source wrote its text (foretell
+    servers only; the field is never sent to others)."""
     return EditStream(client, _EditCall(text, instruction, model, filename, language, max_tokens,
-                                        temperature, prompt_lookup, True, extra))
+                                        temperature, prompt_lookup, True, extra, report_origins))
 
 
 def aedit_stream(client, text: str, instruction: str, *, model: str, filename: str | None = None,
                  language: str | None = None, max_tokens: int | None = None,
                  temperature: float | None = 0, prompt_lookup: bool | None = None,
-                 **extra: Any) -> AsyncEditStream:
+                 report_origins: bool = False, **extra: Any) -> AsyncEditStream:
     """``edit_stream`` with an ``AsyncClient``."""
     return AsyncEditStream(client, _EditCall(text, instruction, model, filename, language,
-                                             max_tokens, temperature, prompt_lookup, True, extra))
+                                             max_tokens, temperature, prompt_lookup, True, extra,
+                                             report_origins))
