@@ -107,6 +107,30 @@ def answer_spans(page) -> list[tuple[str, str]]:
 
 # ---- the page --------------------------------------------------------------------------------
 
+def test_a_wheel_carries_the_page(tmp_path):
+    """The page is package data: a wheel built from the sources holds its three files."""
+    import shutil
+    import subprocess
+    import sys
+    import zipfile
+
+    root = Path(__file__).resolve().parents[2]
+    source = tmp_path / "src"
+    source.mkdir()
+    for name in ("pyproject.toml", "README.md", "LICENSE"):
+        shutil.copy(root / name, source / name)
+    for folder in ("foretell", "sdk", "proxy", "kernels"):
+        shutil.copytree(root / folder, source / folder, ignore=shutil.ignore_patterns("__pycache__"))
+    result = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation",
+                             "-q", str(source), "-w", str(tmp_path / "dist")],
+                            capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr
+    (wheel,) = (tmp_path / "dist").glob("foretell-*.whl")
+    names = set(zipfile.ZipFile(wheel).namelist())
+    assert {f"foretell/proxy/server/static/{name}"
+            for name in ("playground.html", "playground.css", "playground.js")} <= names
+
+
 def test_the_page_is_served_with_a_strict_policy(served):
     response = httpx.get(served.base + "/")
     assert response.status_code == 200 and response.headers["content-type"].startswith("text/html")
