@@ -39,6 +39,7 @@ from foretell.proxy.server.schema import (
     describe_validation_error,
 )
 from foretell.proxy.server.upstream import Forwarder, RouteTable, prepare_body, relay
+from foretell.proxy.server import echo as echo_mode
 from foretell.proxy.engine.scheduler import DoneEvent, ErrorEvent, QueueFullError, TokensEvent
 
 log = logging.getLogger("foretell.server")
@@ -162,6 +163,9 @@ def create_app(settings: ServerSettings, load_local=None) -> FastAPI:
         metrics.running.set(local.scheduler.running if local else 0)
         return Response(metrics.render(), media_type="text/plain; version=0.0.4")
 
+    # vLLM's POST /tokenize and POST /detokenize for the local model (echo.py).
+    echo_mode.add_token_routes(app, settings, lambda: state["local"], read_body, lambda: prompt_slots)
+
     @app.get("/v1/models")
     async def models():
         names = []
@@ -206,6 +210,8 @@ def create_app(settings: ServerSettings, load_local=None) -> FastAPI:
             raise APIError(503, "the model is still loading", type="server_error", code="model_loading",
                            headers={"Retry-After": "5"})
         try:
+            if echo_mode.wanted(parsed):  # echo, prompt logprobs, token ids (echo.py)
+                return await echo_mode.run(request, local, parsed, local_hooks)
             return await run_local(request, local, parsed, path)
         except QueueFullError:
             if route.fallback:
@@ -402,6 +408,10 @@ def create_app(settings: ServerSettings, load_local=None) -> FastAPI:
                 "created": created, "model": local.name, "choices": choices, "usage": usage,
                 "speculation": speculation_body(results[0])}
 
+    local_hooks = echo_mode.LocalHooks(
+        settings=settings, prompt_slots=prompt_slots, collect=collect, wait_event=wait_event, observe=observe,
+        usage_body=usage_body, speculation_body=speculation_body, finish=_finish,
+        generation_error=_generation_error, client_gone=ClientGone)
     return app
 
 

@@ -16,9 +16,11 @@ from pydantic import (
     StrictBool,
     StrictFloat,
     StrictInt,
+    ValidationError,
     field_validator,
     model_validator,
 )
+from pydantic_core import InitErrorDetails, PydanticCustomError
 
 # OpenAI's seed is a 64-bit integer; either signedness is accepted.
 SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1
@@ -134,8 +136,24 @@ class _SamplingFields(_Lenient):
 
 class CompletionRequest(_SamplingFields):
     prompt: Union[Text, list[Text]]
+    # 0 only with echo: score the prompt, generate nothing (as OpenAI's legacy API).
+    max_tokens: StrictInt | None = Field(default=None, ge=0)
     # Log-probabilities of the emitted tokens with this many alternatives (OpenAI allows 0-5).
     logprobs: StrictInt | None = Field(default=None, ge=0, le=5)
+    # OpenAI's legacy echo: the choice's text starts with the prompt, and with ``logprobs`` its
+    # log-probabilities cover the prompt's tokens first (the first one has none).
+    echo: StrictBool = False
+    # vLLM's extension: tokens in ``logprobs`` as "token_id:<id>" instead of their text.
+    return_tokens_as_token_ids: StrictBool = False
+
+    @model_validator(mode="after")
+    def _zero_tokens_need_echo(self):
+        if self.max_tokens == 0 and not self.echo:
+            raise ValidationError.from_exception_data(type(self).__name__, [InitErrorDetails(
+                type=PydanticCustomError("greater_than_equal",
+                                         "Input should be greater than or equal to 1 (0 only with echo)"),
+                loc=("max_tokens",), input=0)])
+        return self
 
     def logprob_alternatives(self) -> int | None:
         return self.logprobs
