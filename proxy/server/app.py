@@ -40,6 +40,7 @@ from foretell.proxy.server.schema import (
 )
 from foretell.proxy.server.upstream import Forwarder, RouteTable, prepare_body, relay
 from foretell.proxy.server import echo as echo_mode
+from foretell.proxy.server.remote_verify import RemoteVerifier
 from foretell.proxy.engine.scheduler import DoneEvent, ErrorEvent, QueueFullError, TokensEvent
 
 log = logging.getLogger("foretell.server")
@@ -101,6 +102,7 @@ def create_app(settings: ServerSettings, load_local=None) -> FastAPI:
     thread)."""
     metrics = Metrics()
     forwarder = Forwarder()
+    remote = RemoteVerifier(settings, forwarder)  # predictions verified by upstreams (remote_verify.py)
     state = {"local": None, "load_error": None}
 
     def load() -> None:
@@ -118,7 +120,9 @@ def create_app(settings: ServerSettings, load_local=None) -> FastAPI:
     async def lifespan(app):
         # Load on a thread so the port opens at once and /health can answer 503 meanwhile.
         threading.Thread(target=load, name="foretell-load", daemon=True).start()
+        remote.start()
         yield
+        await remote.close()
         if state["local"] is not None:
             state["local"].scheduler.close()
         await forwarder.close()
@@ -205,7 +209,11 @@ def create_app(settings: ServerSettings, load_local=None) -> FastAPI:
                            code="model_not_found")
         note(request.scope, route="local" if route.local else route.upstream)
         if not route.local:
-            return await forward(request, settings.routes.upstreams[route.upstream], path, body, parsed.stream)
+            upstream = settings.routes.upstreams[route.upstream]
+            if remote.applies(upstream, parsed, body):
+                return await remote.run(request, upstream, parsed, body, path == "/chat/completions",
+                                        lambda: forward(request, upstream, path, body, parsed.stream))
+            return await forward(request, upstream, path, body, parsed.stream)
         if local is None:
             raise APIError(503, "the model is still loading", type="server_error", code="model_loading",
                            headers={"Retry-After": "5"})

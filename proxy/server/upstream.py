@@ -68,6 +68,14 @@ class Upstream:
     timeout_seconds: float = 60.0
     connect_timeout_seconds: float = 10.0
     max_retries: int = 2
+    # Remote verification of predictions through echo requests (see remote_verify.py): "off"
+    # (the default), "echo" (on), "auto" (on when a probe at start-up finds echo with prompt
+    # logprobs). Each verify re-sends the whole context: never on for an upstream that bills
+    # per prompt token unless you mean it.
+    verify_predictions: str = "off"
+    # A local tokenizer matching the upstream's model (a Hugging Face folder, a .gguf file, or
+    # "gemma-3-270m"): exact token ids, chat requests (its chat template), token counts.
+    tokenizer: str | None = None
 
     def key(self) -> str | None:
         if self.api_key is not None:
@@ -115,9 +123,10 @@ def load_routes(config_path: str | None, environ=os.environ) -> RouteTable:
             raise ValueError(f"config file {config_path} is not valid TOML: {error}") from None
         for name, spec in data.get("upstreams", {}).items():
             unknown = set(spec) - {"base_url", "api_key_env", "supports_prediction", "timeout_seconds",
-                                   "connect_timeout_seconds", "max_retries"}
+                                   "connect_timeout_seconds", "max_retries", "verify_predictions", "tokenizer"}
             if unknown or "base_url" not in spec:
                 raise ValueError(f"upstream {name!r}: needs base_url; unknown keys {sorted(unknown)}")
+            _check_verify_mode(spec.get("verify_predictions", "off"), f"upstream {name!r}: verify_predictions")
             table.upstreams[name] = Upstream(name=name, **spec)
         for model, spec in data.get("models", {}).items():
             route = ModelRoute(local=bool(spec.get("local", False)), upstream=spec.get("upstream"),
@@ -130,11 +139,25 @@ def load_routes(config_path: str | None, environ=os.environ) -> RouteTable:
             table.models[model] = route
     base_url = environ.get("FORETELL_UPSTREAM_BASE_URL")
     if base_url:
+        verify = _check_verify_mode(environ.get("FORETELL_UPSTREAM_VERIFY", "off"), "FORETELL_UPSTREAM_VERIFY")
+        # An upstream verified remotely is one that drops `prediction`: native support is then
+        # off unless FORETELL_UPSTREAM_SUPPORTS_PREDICTION=1 says otherwise (it would win).
+        native = environ.get("FORETELL_UPSTREAM_SUPPORTS_PREDICTION", "1" if verify == "off" else "0")
         table.upstreams.setdefault("default", Upstream(
             name="default", base_url=base_url, api_key=environ.get("FORETELL_UPSTREAM_API_KEY"),
-            supports_prediction=environ.get("FORETELL_UPSTREAM_SUPPORTS_PREDICTION", "1") != "0"))
+            supports_prediction=native != "0", verify_predictions=verify,
+            tokenizer=environ.get("FORETELL_UPSTREAM_TOKENIZER") or None))
         table.default_upstream = "default"
     return table
+
+
+VERIFY_MODES = ("off", "echo", "auto")
+
+
+def _check_verify_mode(value, where: str) -> str:
+    if value not in VERIFY_MODES:
+        raise ValueError(f"{where} must be one of {', '.join(VERIFY_MODES)}, not {value!r}")
+    return value
 
 
 def prepare_body(body: dict, upstream: Upstream) -> tuple[dict, list[str]]:

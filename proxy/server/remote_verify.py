@@ -1,0 +1,948 @@
+"""Remote verification: predicted outputs for any vLLM-style upstream, through prompt logprobs.
+
+vLLM (and SGLang) drop OpenAI's ``prediction``, but their ``/v1/completions`` can verify a whole
+draft in one request: with ``echo: true, logprobs: 1, max_tokens: 1`` the answer holds, for every
+prompt token, the token itself and the model's best alternative at that position. Send
+``prompt + output so far + draft`` as the prompt and the best token at each draft position is
+exactly what greedy decoding would choose there: the longest prefix of the draft that agrees is
+accepted, the best token at the first disagreement is the *recovered* token, and the one token
+generated after a fully accepted draft is the *bonus*. One prefill verifies hundreds of tokens.
+
+The loop (``Session``), for a greedy request (explicit ``temperature: 0``) with a prediction or
+with ``speculation.prompt_lookup``, on an upstream whose ``verify_predictions`` is on:
+
+- **verify**: one echo request over ``prompt + output + draft``; the draft comes from the
+  prediction cursor (``PredictionSource``, which re-anchors after an edit on text) or from
+  prompt lookup (``PromptLookupSource``, only runs of at least ``LOOKUP_MIN_DRAFT`` tokens);
+- **plain**: where no draft is available (after an edit's seam), a plain greedy stream continues
+  the output and is closed as soon as the output rejoins the prediction, then verify again;
+- text goes to the client as it is confirmed (``IncrementalDetokenizer`` + ``StopStringHold``:
+  stop strings and ``max_tokens`` are applied here exactly as in the local engine, so nothing is
+  streamed past a stop string).
+
+**Token alignment.** *Token ids* (exact): when the route names a local ``tokenizer`` matching the
+upstream's model and the upstream answers vLLM's ``return_tokens_as_token_ids``, the context
+sent is checked token for token: the local tokenizer must re-tokenise ``prompt + output`` into
+exactly the prompt's ids plus the ids the upstream chose, and the echo's ids must start with
+them. *Text* (best effort): without them, the echo's token strings are laid over the text sent
+(their ``text_offset`` must agree, up to one constant shift such as a ``<bos>`` the upstream
+counts) and compared as strings. Re-tokenised context can differ from the upstream's own
+decoding when the model wrote a token sequence that is not how its tokenizer would split the
+same text (rare for real models); the ids check catches that, and the rest of the request then
+continues as plain greedy decoding from the last point known to be exact, replaying what was
+already sent; in text mode the check compares strings, so a rare difference can go unseen.
+
+**Failures.** A malformed echo answer, a 5xx or a dropped connection never produce text: the
+request continues as plain decoding from the last exact point (the upstream's own greedy text);
+if that fails too, the client gets the error (a 502, or an error event in a stream).
+
+Sampling, ``n > 1``, logprobs, echo and any other field that changes decoding are forwarded as
+before; ``prediction`` goes natively to upstreams marked ``supports_prediction``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import bisect
+import contextlib
+import json
+import logging
+import re
+import time
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from foretell.proxy.engine.detokenizer import IncrementalDetokenizer, StopStringHold
+from foretell.proxy.engine.draft_sources import PredictionSource, PromptLookupSource
+from foretell.proxy.engine.prediction_usage import prediction_token_usage
+from foretell.proxy.engine.sequence import GenerationStats, SourceStats
+from foretell.proxy.server.prompts import chat_prompt, end_of_turn_ids
+from foretell.proxy.server.redact import Redactor
+from foretell.proxy.server.schema import APIError, ChatCompletionRequest
+
+log = logging.getLogger("foretell.server")
+
+# Tokens drafted per verify at most (the request's speculation.max_draft lowers it). A longer
+# draft costs the upstream only prefill, and each round trip re-sends the context anyway.
+DEFAULT_MAX_DRAFT = 256
+# Prompt lookup drafts only runs at least this long: each verify re-sends the whole context.
+LOOKUP_MIN_DRAFT = 8
+# A mismatch this close to the end of the context is the draft merging with it (a token that
+# spans the seam), not a context that re-tokenises differently.
+BOUNDARY_TOKENS = 3
+# Plain tokens before a rejoin may end a plain stream; doubled after each useless verify.
+MAX_MIN_PLAIN = 64
+# Upstream failures one request survives (each one continues plainly from the last exact point).
+MAX_FAILURES = 2
+# How long "auto" keeps trying to reach an upstream at start-up.
+PROBE_SECONDS = 60.0
+PROBE_PROMPT = "The quick brown fox jumps over the lazy dog. The quick brown fox"
+
+TOKEN_ID = re.compile(r"token_id:(\d+)")
+# Token strings that may be a special token (EOS, BOS, end of turn): never emitted as text.
+SPECIAL_LOOKING = re.compile(r"<[^<>\s]{1,40}>|<\|[^|\s]{1,40}\|>")
+# Request fields the loop reproduces; anything else set (penalties, logit_bias, tools, ...)
+# changes decoding, so such a request is forwarded as before.
+HANDLED_FIELDS = frozenset({"model", "prompt", "messages", "max_tokens", "max_completion_tokens",
+                            "temperature", "top_p", "top_k", "seed", "stop", "n", "stream",
+                            "stream_options", "user", "prediction", "speculation", "add_special_tokens"})
+
+
+class RemoteFailure(Exception):
+    """The upstream failed or answered something the loop cannot trust."""
+
+    def __init__(self, message: str, *, unsupported: bool = False):
+        super().__init__(message)
+        self.unsupported = unsupported  # the upstream does not do echo with prompt logprobs
+
+
+class ClientGone(Exception):
+    pass
+
+
+# ---- tokenizers -------------------------------------------------------------------------------
+
+def load_tokenizer(spec: str):
+    """A route's tokenizer: a Hugging Face folder, a .gguf file, or ``gemma-3-270m``.
+    Returns (tokenizer, EOS ids)."""
+    from transformers import AutoTokenizer
+
+    from foretell.proxy.engine.model_loader import EMBEDDED_MODEL_NAME, resolve_model_folder
+
+    path = Path(spec).expanduser()
+    folder = None
+    if spec == EMBEDDED_MODEL_NAME:
+        folder = resolve_model_folder(None)[1]
+        tokenizer = AutoTokenizer.from_pretrained(str(folder), local_files_only=True)
+    elif path.is_file() and path.suffix == ".gguf":
+        tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    elif path.is_dir():
+        folder = path
+        tokenizer = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+    else:
+        tokenizer = AutoTokenizer.from_pretrained(spec)  # a hub name, from the local cache
+    eos = {tokenizer.eos_token_id}
+    config = folder / "generation_config.json" if folder is not None else None
+    if config is not None and config.is_file():
+        named = json.loads(config.read_text()).get("eos_token_id")
+        eos |= set(named if isinstance(named, list) else [named])
+    return tokenizer, frozenset(e for e in eos if isinstance(e, int))
+
+
+class TextPieces:
+    """A stand-in tokenizer for ``PredictionSource`` when no real one is configured: words,
+    spaces and punctuation as pieces. Only the cursor (on text) and the prediction usage
+    figures (then an estimate) use it."""
+
+    PIECE = re.compile(r"\s+|\w+|[^\w\s]")
+
+    def __call__(self, text, add_special_tokens=False, return_offsets_mapping=False):
+        spans = [m.span() for m in self.PIECE.finditer(text)]
+        return {"input_ids": list(range(len(spans))), "offset_mapping": spans}
+
+    def encode(self, text, add_special_tokens=False):
+        return [0] * len(self.PIECE.findall(text))
+
+
+# ---- the echo answer --------------------------------------------------------------------------
+
+def _trusted(text) -> bool:
+    """A token string that is plain text (never a possible special token or a broken byte)."""
+    return isinstance(text, str) and bool(text) and "\ufffd" not in text and not SPECIAL_LOOKING.fullmatch(text)
+
+
+@dataclass
+class EchoAnswer:
+    ids: bool  # tokens came as "token_id:<id>"
+    keys: list  # every token of the answer (ids, or strings); the prompt's first
+    strings: list[str]  # the raw token strings
+    best: list  # per token: the most likely key at that position (None where absent)
+    starts: list  # text mode: each prompt token's start in the text sent (None: not laid)
+    prompt_tokens: int
+    completion_tokens: int
+    generated: object  # the generated token's key, or None
+    generated_text: str
+    finish_reason: str | None
+
+
+def _number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def parse_echo(payload, sent: str) -> EchoAnswer:
+    """Check and unpack an echo answer; RemoteFailure when it is not one we can trust."""
+    try:
+        choice = payload["choices"][0]
+        logprobs = choice["logprobs"]
+        tokens, tops = logprobs["tokens"], logprobs["top_logprobs"]
+        prompt_tokens = payload["usage"]["prompt_tokens"]
+        completion_tokens = payload["usage"].get("completion_tokens", 1)
+        text, finish = choice["text"], choice.get("finish_reason")
+    except (KeyError, IndexError, TypeError):
+        raise RemoteFailure("the echo answer has no prompt logprobs", unsupported=True) from None
+    if not (isinstance(tokens, list) and isinstance(tops, list) and len(tokens) == len(tops)
+            and all(isinstance(t, str) for t in tokens) and isinstance(text, str)
+            and isinstance(prompt_tokens, int) and not isinstance(prompt_tokens, bool)):
+        raise RemoteFailure("the echo answer's logprobs are malformed", unsupported=True)
+    if not 1 <= prompt_tokens <= len(tokens) <= prompt_tokens + 1:
+        raise RemoteFailure(f"the echo answer covers {len(tokens)} tokens for {prompt_tokens} prompt tokens",
+                            unsupported=True)
+    if not text.startswith(sent):
+        raise RemoteFailure("the echo answer's text does not start with the prompt sent", unsupported=True)
+    ids = all(TOKEN_ID.fullmatch(t) for t in tokens)
+    keys = [int(t[len("token_id:"):]) for t in tokens] if ids else list(tokens)
+    best = []
+    for top in tops:
+        if not isinstance(top, dict) or not top:
+            best.append(None)  # absent (the first token has none); fatal only where it is needed
+            continue
+        if not all(isinstance(k, str) and _number(v) for k, v in top.items()):
+            raise RemoteFailure("the echo answer's top_logprobs are malformed")
+        key = max(top, key=top.get)  # the first of equal values, in the order given
+        if ids:
+            if not TOKEN_ID.fullmatch(key):
+                raise RemoteFailure("the echo answer mixes token ids and token strings")
+            key = int(key[len("token_id:"):])
+        best.append(key)
+    starts: list = []
+    if not ids:
+        starts = _lay_tokens(tokens[:prompt_tokens], sent)
+        offsets = logprobs.get("text_offset")
+        if offsets is not None:
+            if not (isinstance(offsets, list) and len(offsets) == len(tokens) and all(_number(o) for o in offsets)):
+                raise RemoteFailure("the echo answer's text_offset is malformed")
+            shifts = {offsets[j] - start for j, start in enumerate(starts)
+                      if start is not None and tokens[j] and not (start == 0 and SPECIAL_LOOKING.fullmatch(tokens[j]))}
+            if len(shifts) > 1:
+                raise RemoteFailure("the echo answer's text_offset disagrees with its tokens")
+    generated = keys[prompt_tokens] if len(tokens) > prompt_tokens else None
+    if not isinstance(completion_tokens, int):
+        completion_tokens = 1
+    return EchoAnswer(ids, keys, list(tokens), best, starts, prompt_tokens, completion_tokens, generated,
+                      text[len(sent):], finish)
+
+
+def _lay_tokens(strings: list[str], text: str) -> list:
+    """Each token string's start in ``text``, laid end to end (a special token at the very start,
+    such as ``<bos>``, spans nothing); None from the first one that does not fit."""
+    starts, position, broken = [], 0, False
+    for string in strings:
+        if broken:
+            starts.append(None)
+        elif text.startswith(string, position):
+            starts.append(position)
+            position += len(string)
+        elif position == 0 and SPECIAL_LOOKING.fullmatch(string):
+            starts.append(0)
+        else:
+            broken = True
+            starts.append(None)
+    return starts
+
+
+# ---- the output ---------------------------------------------------------------------------------
+
+class Output:
+    """The completion so far: its tokens, its text, where it stops, what may be streamed."""
+
+    def __init__(self, tokenizer, stop: tuple[str, ...], max_tokens: int, eos_ids: frozenset[int]):
+        self.keys: list = []
+        self.detokenizer = IncrementalDetokenizer(tokenizer) if tokenizer is not None else None
+        self._raw = ""
+        self.hold = StopStringHold(stop)
+        self.max_tokens = max_tokens
+        self.eos_ids = eos_ids
+        self.finish_reason: str | None = None
+        self.streamed = 0
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    @property
+    def raw(self) -> str:
+        """The text of every token so far (the context to send), stop strings included."""
+        return self.detokenizer.text if self.detokenizer is not None else self._raw
+
+    @property
+    def text(self) -> str:
+        """The completion's text: cut before a stop string."""
+        return self.hold.text
+
+    def exact(self) -> bool:
+        """Is ``raw`` the whole text of the tokens (no unfinished character held back)?"""
+        return self.detokenizer is None or self.detokenizer.read_offset == len(self.detokenizer.ids)
+
+    def push(self, key, text: str = "") -> None:
+        if self.finished:
+            return
+        self.keys.append(key)
+        if self.detokenizer is not None:
+            text = self.detokenizer.push([key])
+        else:
+            self._raw += text
+        self.hold.feed(text)
+        if (self.detokenizer is not None and key in self.eos_ids) or self.hold.stop_at is not None:
+            self.end("stop")
+        elif len(self.keys) >= self.max_tokens:
+            self.end("length")
+
+    def end(self, reason: str) -> None:
+        if self.finish_reason is None:
+            self.finish_reason = reason
+            if self.detokenizer is not None:
+                self.hold.feed(self.detokenizer.flush())
+
+    def release(self) -> str:
+        end = len(self.hold.text) if self.finished else self.hold.releasable
+        piece = self.hold.text[self.streamed:end]
+        self.streamed = max(self.streamed, end)
+        return piece
+
+
+# ---- per upstream -----------------------------------------------------------------------------------
+
+class UpstreamState:
+    def __init__(self, upstream):
+        self.upstream = upstream
+        self.enabled = upstream.verify_predictions == "echo"  # "auto": once the probe says so
+        self.token_ids: bool | None = None  # answers return_tokens_as_token_ids (None: not seen yet)
+        self.tokenizer = None
+        self.eos_ids: frozenset[int] = frozenset()
+        self.loading: asyncio.Task | None = None
+
+
+class RemoteVerifier:
+    """Remote verification for every upstream that has it on; see the module's docstring."""
+
+    def __init__(self, settings, forwarder):
+        self.settings, self.forwarder = settings, forwarder
+        self.states = {name: UpstreamState(upstream) for name, upstream in settings.routes.upstreams.items()
+                       if upstream.verify_predictions != "off"}
+        self.tasks: list[asyncio.Task] = []
+
+    def start(self) -> None:
+        """Load the routes' tokenizers and probe the "auto" upstreams, in the background."""
+        for state in self.states.values():
+            if state.upstream.tokenizer:
+                state.loading = asyncio.create_task(self._load(state))
+            if state.upstream.verify_predictions == "auto":
+                self.tasks.append(asyncio.create_task(self._probe(state)))
+
+    async def close(self) -> None:
+        for task in self.tasks + [s.loading for s in self.states.values() if s.loading]:
+            task.cancel()
+
+    async def _load(self, state: UpstreamState) -> None:
+        try:
+            state.tokenizer, state.eos_ids = await asyncio.to_thread(load_tokenizer, state.upstream.tokenizer)
+        except Exception as error:  # the route works without it: text alignment, no chat
+            log.warning("upstream %r: tokenizer %r did not load (%s: %s); remote verification aligns on "
+                        "text and forwards chat requests", state.upstream.name, state.upstream.tokenizer,
+                        type(error).__name__, error)
+
+    async def _probe(self, state: UpstreamState) -> None:
+        upstream = state.upstream
+        deadline = time.monotonic() + PROBE_SECONDS
+        while True:
+            try:
+                model = await self._probe_model(upstream)
+                body = {"model": model, "prompt": PROBE_PROMPT, "echo": True, "logprobs": 1, "max_tokens": 1,
+                        "temperature": 0, "return_tokens_as_token_ids": True}
+                answer = parse_echo(await self.post_json(upstream, "/completions", body), PROBE_PROMPT)
+                if answer.prompt_tokens < 2 or all(b is None for b in answer.best[1:answer.prompt_tokens]):
+                    raise RemoteFailure("the echo answer has no top_logprobs for the prompt", unsupported=True)
+            except RemoteFailure as failure:
+                if not failure.unsupported and time.monotonic() < deadline:
+                    await asyncio.sleep(2.0)
+                    continue
+                log.warning("upstream %r: remote verification off (probe: %s)", upstream.name, failure)
+                return
+            state.enabled, state.token_ids = True, answer.ids
+            log.info("upstream %r: remote verification on (probe of model %r: echo with prompt logprobs; "
+                     "token ids: %s; local tokenizer: %s)", upstream.name, model,
+                     "yes" if answer.ids else "no, aligning on text", upstream.tokenizer or "none")
+            return
+
+    async def _probe_model(self, upstream) -> str:
+        for model, route in self.settings.routes.models.items():
+            if route.upstream == upstream.name:
+                return model
+        url = upstream.base_url.rstrip("/") + "/models"
+        headers = {"authorization": f"Bearer {upstream.key()}"} if upstream.key() else {}
+        try:
+            response = await self.forwarder.client.get(url, headers=headers, timeout=upstream.connect_timeout_seconds)
+            return response.json()["data"][0]["id"]
+        except (httpx.HTTPError, ValueError, KeyError, IndexError, TypeError) as error:
+            raise RemoteFailure(f"GET /models failed: {type(error).__name__}") from None
+
+    async def post_json(self, upstream, path: str, body: dict) -> dict:
+        redactor = Redactor(self.settings.routes.keys())
+        try:
+            response = await self.forwarder.open(upstream, path, body)
+        except APIError as error:
+            raise RemoteFailure(redactor.text(error.message)) from None
+        try:
+            raw = await response.aread()
+        except httpx.HTTPError as error:
+            raise RemoteFailure(f"the upstream broke off its answer: {type(error).__name__}") from None
+        finally:
+            await response.aclose()
+        if response.status_code >= 400:
+            detail = redactor.bytes(raw[:300]).decode("utf-8", "replace")
+            raise RemoteFailure(f"the upstream answered {response.status_code}: {detail}")
+        try:
+            payload = json.loads(raw)
+        except ValueError:
+            raise RemoteFailure("the upstream's answer is not JSON") from None
+        if not isinstance(payload, dict):
+            raise RemoteFailure("the upstream's answer is not a JSON object")
+        return payload
+
+    # ---- which requests ---------------------------------------------------------------------
+
+    def applies(self, upstream, parsed, body: dict) -> bool:
+        """Does this request for ``upstream`` run the loop here (else it is forwarded)?"""
+        state = self.states.get(upstream.name)
+        if state is None or not state.enabled or upstream.supports_prediction:
+            return False  # off, not (yet) found to work, or the upstream takes `prediction` itself
+        if body.get("temperature") != 0 or parsed.n != 1:
+            return False  # greedy only, by explicit temperature 0 (an upstream's default may differ)
+        speculation = parsed.speculation
+        if parsed.prediction is None and not (speculation and speculation.prompt_lookup):
+            return False
+        if parsed.prediction is not None and len(parsed.prediction.text()) > self.settings.max_prediction_chars:
+            return False
+        if any(value not in (None, False) for key, value in body.items() if key not in HANDLED_FIELDS):
+            return False  # logprobs, echo, penalties, tools...: forwarded as before
+        if isinstance(parsed, ChatCompletionRequest) and not upstream.tokenizer:
+            return False  # a chat prompt needs the model's template
+        return True
+
+    # ---- one request ------------------------------------------------------------------------------
+
+    async def run(self, request: Request, upstream, parsed, body: dict, is_chat: bool, forward):
+        """Answer the request with the loop; ``forward()`` answers it as before."""
+        state = self.states[upstream.name]
+        if state.loading is not None:
+            await asyncio.shield(state.loading)
+        tokenizer = state.tokenizer
+        if is_chat:
+            if tokenizer is None or not getattr(tokenizer, "chat_template", None):
+                return await forward()
+            prompt = await asyncio.to_thread(chat_prompt, tokenizer, parsed.messages)
+            # The template's end-of-turn tokens end a chat answer as EOS does (as locally).
+            eos_ids = state.eos_ids | frozenset(await asyncio.to_thread(end_of_turn_ids, tokenizer))
+            # The template writes the BOS itself (vLLM's chat endpoint adds no special tokens).
+            special = False
+            max_tokens = parsed.max_tokens_or(self.settings.default_max_tokens)
+        else:
+            prompt = parsed.prompt
+            special = body.get("add_special_tokens")
+            if not isinstance(special, bool):
+                special = None
+            max_tokens = parsed.max_tokens_or(16)
+            eos_ids = state.eos_ids
+        speculation = parsed.speculation
+        prediction = parsed.prediction.text() if parsed.prediction else None
+        lookup = speculation.prompt_lookup if speculation and speculation.prompt_lookup is not None else (
+            prediction is not None)
+        request_id = request.scope.get("foretell.request_id", "-")
+        last_check = [0.0]
+
+        async def gone() -> bool:
+            if time.monotonic() - last_check[0] < 0.25:
+                return False
+            last_check[0] = time.monotonic()
+            return await request.is_disconnected()
+
+        session = Session(self, state, parsed.model, prompt, special, max_tokens, parsed.stop_strings(),
+                          prediction, lookup, (speculation and speculation.max_draft) or DEFAULT_MAX_DRAFT,
+                          request_id, gone, eos_ids)
+        shape = _Shape(parsed.model, is_chat, upstream.name)
+        headers = {"x-foretell-upstream": upstream.name,
+                   "x-foretell-note": "prediction verified remotely (echo with prompt logprobs)"}
+        if not parsed.stream:
+            try:
+                async for _ in session.events():
+                    pass
+            except ClientGone:
+                return Response(status_code=499)
+            return JSONResponse(await shape.body(session), headers=headers)
+        include_usage = bool(parsed.stream_options and parsed.stream_options.include_usage)
+        events = session.events()
+        try:
+            first = await anext(events, None)  # the first round: a failure here is a plain HTTP error
+        except BaseException:
+            await events.aclose()
+            raise
+        return StreamingResponse(shape.stream(session, events, first, include_usage),
+                                 media_type="text/event-stream", headers=headers)
+
+
+# ---- the loop ---------------------------------------------------------------------------------
+
+@dataclass
+class Draft:
+    text: str
+    source: str
+
+
+class Session:
+    """One request's speculative loop against the upstream."""
+
+    def __init__(self, verifier: RemoteVerifier, state: UpstreamState, model: str, prompt: str,
+                 special: bool | None, max_tokens: int, stop: tuple[str, ...], prediction: str | None,
+                 lookup: bool, max_draft: int, request_id: str, gone, eos_ids: frozenset[int]):
+        self.verifier, self.state, self.upstream = verifier, state, state.upstream
+        self.model, self.prompt, self.special = model, prompt, special
+        self.max_tokens, self.max_draft = max_tokens, max_draft
+        self.request_id, self.gone = request_id, gone
+        self.tokenizer = state.tokenizer
+        # Token ids when a local tokenizer can read them and the upstream has not been seen
+        # ignoring return_tokens_as_token_ids.
+        self.ids = self.tokenizer is not None and state.token_ids is not False
+        self.out = Output(self.tokenizer if self.ids else None, stop, max_tokens, eos_ids)
+        self.prediction = PredictionSource(self.tokenizer or TextPieces(), prediction) if prediction else None
+        self.want_lookup = lookup
+        self.lookup: PromptLookupSource | None = None
+        self.prompt_keys: list | None = None
+        self.stats = GenerationStats()
+        self.stats.per_source = {name: SourceStats() for name in
+                                 (["prediction"] if prediction else []) + (["prompt_lookup"] if lookup else [])}
+        self.requests = 0
+        self.prompt_tokens_sent = 0
+        self.checkpoint = (0, 0)  # (tokens, characters) of output whose context is known exact
+        self.verifying = True  # False once the rest is plain decoding
+        self.failures = 0
+        self.fallback: str | None = None  # why verification stopped, for the report
+        self.min_plain = 1
+        self.started = time.perf_counter()
+
+    # ---- helpers ----------------------------------------------------------------------------
+
+    def _encode(self, text: str) -> list[int]:
+        special = True if self.special is None else self.special
+        return list(self.tokenizer(text, add_special_tokens=special)["input_ids"])
+
+    def _decode_after(self, context: list, ids: list) -> str | None:
+        head = self.tokenizer.decode(context, skip_special_tokens=True)
+        full = self.tokenizer.decode(list(context) + list(ids), skip_special_tokens=True)
+        return full[len(head):] if full.startswith(head) else None
+
+    def _observe(self) -> None:
+        for source in (self.prediction, self.lookup):
+            if source is not None:
+                source.observe(self.out.keys, self.out.raw)
+
+    def _start_lookup(self) -> None:
+        if self.want_lookup and self.lookup is None and self.prompt_keys is not None:
+            self.lookup = PromptLookupSource(self.prompt_keys, min_ngram=3)
+            self.lookup.observe([key for key in self.out.keys], self.out.raw)
+
+    def _propose(self) -> Draft | None:
+        limit = min(self.max_draft, self.max_tokens - len(self.out.keys) - 1)
+        if limit < 1:
+            return None
+        source = self.prediction
+        if source is not None and source.cursor is not None and source.cursor < len(source.text):
+            starts = source.token_starts
+            if isinstance(source.tokenizer, TextPieces):
+                # Pieces are not tokens: as many characters as `limit` tokens of this output hold.
+                per_token = len(self.out.raw) / len(self.out.keys) if self.out.raw else 4.0
+                index = bisect.bisect_left(starts, source.cursor + int(limit * per_token) + 1)
+                end = starts[index] if index < len(starts) else len(source.text)
+            else:
+                index = bisect.bisect_left(starts, source.cursor)
+                end = starts[index + limit] if index + limit < len(starts) else len(source.text)
+            if end > source.cursor:
+                return Draft(source.text[source.cursor:end], "prediction")
+        if self.lookup is not None:
+            proposal = self.lookup.propose(limit)
+            if len(proposal) >= LOOKUP_MIN_DRAFT:
+                if self.ids:
+                    text = self._decode_after((self.prompt_keys + self.out.keys)[-BOUNDARY_TOKENS:], proposal)
+                else:
+                    text = "".join(proposal) if all(_trusted(p) for p in proposal) else None
+                if text:
+                    return Draft(text, "prompt_lookup")
+        return None
+
+    async def _context_exact(self) -> bool:
+        """Token ids: does ``prompt + output`` re-tokenise into the tokens actually chosen?"""
+        if not self.out.exact():
+            return False
+        if not self.ids:
+            return True  # checked on each echo answer instead
+        ids = await asyncio.to_thread(self._encode, self.prompt + self.out.raw)
+        if ids != self.prompt_keys + self.out.keys:
+            return False
+        self.checkpoint = (len(self.out.keys), len(self.out.raw))
+        return True
+
+    def _fail(self, failure: RemoteFailure, what: str) -> None:
+        self.failures += 1
+        log.warning("%s: remote verification on upstream %r: %s failed: %s%s", self.request_id,
+                    self.upstream.name, what, failure,
+                    "; giving up" if self.failures > MAX_FAILURES else "; continuing with plain decoding")
+        if failure.unsupported and what == "verify":
+            self.state.enabled = False
+            log.warning("upstream %r: remote verification off until restart: its echo answers are unusable",
+                        self.upstream.name)
+        self.verifying = False
+        self.fallback = f"{what}: {failure}"
+        if self.failures > MAX_FAILURES:
+            raise APIError(502, f"upstream {self.upstream.name!r} failed: {failure}", type="upstream_error",
+                           code="upstream_error")
+
+    async def _check_client(self) -> None:
+        if await self.gone():
+            raise ClientGone
+
+    # ---- the loop ----------------------------------------------------------------------------
+
+    async def events(self):
+        """Text pieces as they are confirmed; the session holds the result at the end."""
+        if self.ids:
+            self.prompt_keys = await asyncio.to_thread(self._encode, self.prompt)
+            self._start_lookup()
+        while not self.out.finished:
+            await self._check_client()
+            if self.verifying and not await self._context_exact():
+                self.verifying = False
+                self.fallback = "the output does not re-tokenise as written; plain decoding from the last exact point"
+            if not self.verifying:
+                try:
+                    async for piece in self._plain(rejoin=False):
+                        yield piece
+                except RemoteFailure as failure:
+                    self._fail(failure, "plain decoding")
+                continue
+            draft = self._propose()
+            outcome = "boundary"
+            if draft is not None or (not self.ids and self.prompt_keys is None):
+                try:
+                    outcome = await self._verify(draft)
+                except RemoteFailure as failure:
+                    self._fail(failure, "verify")
+                    continue
+                if piece := self.out.release():
+                    yield piece
+            if outcome == "ok" or self.out.finished:
+                continue
+            if outcome == "inexact":
+                self.verifying = False
+                self.fallback = "the context re-tokenises differently; plain decoding from the last exact point"
+                continue
+            try:
+                async for piece in self._plain(rejoin=True):
+                    yield piece
+            except RemoteFailure as failure:
+                self._fail(failure, "plain decoding")
+        if piece := self.out.release():
+            yield piece
+
+    async def _verify(self, draft: Draft | None) -> str:
+        """One echo request over ``prompt + output + draft``: "ok" (tokens accepted), "boundary"
+        (nothing verifiable: decode plainly a little) or "inexact" (the context re-tokenises
+        differently: the rest is plain decoding)."""
+        out = self.out
+        sent = self.prompt + out.raw + (draft.text if draft else "")
+        body = {"model": self.model, "prompt": sent, "echo": True, "logprobs": 1, "max_tokens": 1,
+                "temperature": 0}
+        if self.ids:
+            body["return_tokens_as_token_ids"] = True
+        if self.special is not None:
+            body["add_special_tokens"] = self.special
+        self.requests += 1
+        answer = parse_echo(await self.verifier.post_json(self.upstream, "/completions", body), sent)
+        self.prompt_tokens_sent += answer.prompt_tokens
+        self.stats.target_passes += 1
+        if self.ids and not answer.ids:
+            self.state.token_ids = False
+            raise RemoteFailure("the upstream ignores return_tokens_as_token_ids")
+        if self.ids:
+            self.state.token_ids = True
+        keys = answer.keys[:answer.prompt_tokens]
+        if self.prompt_keys is None:  # text alignment: the prompt's tokens, from this answer
+            starts = answer.starts
+            boundary = next((j for j, start in enumerate(starts) if start == len(self.prompt)), None)
+            if boundary is None and sent == self.prompt and starts and starts[-1] is not None \
+                    and starts[-1] + len(answer.strings[len(starts) - 1]) == len(sent):
+                boundary = len(starts)  # nothing after the prompt: all of it
+            if boundary is None or any(s is None for s in starts[:boundary]):
+                return "boundary" if not out.keys else "inexact"
+            self.prompt_keys = keys[:boundary]
+            self._start_lookup()
+        context = self.prompt_keys + out.keys
+        mismatch = next((i for i in range(len(context)) if i >= len(keys) or keys[i] != context[i]), None)
+        if mismatch is not None:
+            if mismatch >= len(context) - BOUNDARY_TOKENS:
+                self.min_plain = min(MAX_MIN_PLAIN, self.min_plain * 2)
+                return "boundary"  # the draft merges with the context's last token
+            if self.ids:  # the local tokenizer said this context is exact: the two disagree
+                raise RemoteFailure("the upstream tokenises the context differently from the route's tokenizer")
+            return "inexact"
+        if not self.ids:
+            self.checkpoint = (len(out.keys), len(out.raw))
+        drafted = keys[len(context):]
+        if self.ids and draft is not None and self._decode_after(context[-BOUNDARY_TOKENS:], drafted) != draft.text:
+            raise RemoteFailure("the echo answer's tokens do not spell the draft sent")
+        accepted, recovered, complete = 0, None, True
+        for j in range(len(context), len(keys)):
+            if not self.ids and (answer.starts[j] is None or not _trusted(answer.strings[j])):
+                complete = False  # a token we cannot lay over the text: verify no further
+                break
+            if answer.best[j] is None:
+                raise RemoteFailure("the echo answer has no top_logprobs at a draft position")
+            if answer.best[j] != keys[j]:
+                recovered, complete = answer.best[j], False
+                break
+            accepted += 1
+        before = len(out.keys)
+        for j in range(len(context), len(context) + accepted):
+            out.push(keys[j], answer.strings[j])
+        kept_drafts = len(out.keys) - before
+        if not out.finished:
+            if recovered is not None:
+                if self.ids or _trusted(recovered):
+                    out.push(recovered, recovered if not self.ids else "")
+            elif complete:
+                self._bonus(answer)
+        if draft is not None:
+            record = self.stats.per_source[draft.source]
+            record.rounds += 1
+            record.drafted += len(drafted)
+            record.accepted += kept_drafts
+            self.stats.drafted_tokens += len(drafted)
+            self.stats.accepted_tokens += kept_drafts
+            self.stats.count_positions(len(drafted), kept_drafts)
+        self.min_plain = 1 if kept_drafts >= 2 else min(MAX_MIN_PLAIN, self.min_plain * 2)
+        self._observe()
+        log.debug("%s: verify %d: %d prompt tokens, drafted %d (%s), accepted %d, then %s", self.request_id,
+                  self.requests, answer.prompt_tokens, len(drafted), draft.source if draft else "-", kept_drafts,
+                  "a recovered token" if recovered is not None else "the bonus" if complete else "nothing")
+        return "ok" if len(out.keys) > before or out.finished else "boundary"
+
+    def _bonus(self, answer: EchoAnswer) -> None:
+        """The token generated after a fully accepted draft (or the end of the output)."""
+        out = self.out
+        if answer.generated is not None:
+            if self.ids:
+                out.push(answer.generated)
+                return
+            string = answer.strings[answer.prompt_tokens]
+            if _trusted(string) and string == answer.generated_text:
+                out.push(string, string)
+                return
+        if answer.finish_reason == "stop" and not answer.generated_text:
+            out.push(None)  # the end-of-sequence token: counted, no text
+            out.end("stop")
+        elif answer.finish_reason == "length" and answer.completion_tokens == 0:
+            out.end("length")  # no room left in the upstream's context
+
+    async def _plain(self, rejoin: bool):
+        """Plain greedy decoding upstream, streamed: from the output's end (``rejoin``: until the
+        output rejoins the prediction), or, once verification is given up, from the last exact
+        point to the end, replaying what was already sent."""
+        out = self.out
+        start_tokens, start_chars = ((len(out.keys), len(out.raw)) if self.verifying else self.checkpoint)
+        replay = out.keys[start_tokens:]
+        body = {"model": self.model, "prompt": self.prompt + out.raw[:start_chars],
+                "max_tokens": self.max_tokens - start_tokens, "temperature": 0, "stream": True,
+                "stream_options": {"include_usage": True}, "logprobs": 0}
+        if self.ids:
+            body["return_tokens_as_token_ids"] = True
+        if self.special is not None:
+            body["add_special_tokens"] = self.special
+        redactor = Redactor(self.verifier.settings.routes.keys())
+        self.requests += 1
+        try:
+            response = await self.verifier.forwarder.open(self.upstream, "/completions", body)
+        except APIError as error:
+            raise RemoteFailure(redactor.text(error.message)) from None
+        generated, replayed, counted, rejoined = 0, 0, False, False
+        try:
+            if response.status_code >= 400:
+                detail = redactor.bytes(await response.aread())[:300].decode("utf-8", "replace")
+                raise RemoteFailure(f"the upstream answered {response.status_code}: {detail}")
+            async for event in _sse_events(response):
+                if not isinstance(event, dict) or "error" in event:
+                    raise RemoteFailure("the upstream's stream carried an error: "
+                                        + redactor.text(json.dumps(event)[:300]))
+                usage = event.get("usage")
+                if isinstance(usage, dict) and isinstance(usage.get("prompt_tokens"), int) and not counted:
+                    self.prompt_tokens_sent += usage["prompt_tokens"]
+                    counted = True
+                choices = event.get("choices") or []
+                if not choices:
+                    continue
+                choice = choices[0]
+                text = choice.get("text") or ""
+                strings = (choice.get("logprobs") or {}).get("tokens") or []
+                if text and not strings:
+                    raise RemoteFailure("a stream chunk came without its tokens")
+                keys = self._stream_keys(strings, text)
+                for key, string in keys:
+                    if replayed < len(replay):
+                        if key != replay[replayed]:
+                            raise RemoteFailure("the upstream's output differs from what it wrote before")
+                        replayed += 1
+                        continue
+                    out.push(key, string)
+                    generated += 1
+                    self.stats.target_passes += 1
+                    if out.finished:
+                        break
+                if out.finished:
+                    break
+                finish = choice.get("finish_reason")
+                if finish and replayed >= len(replay):
+                    if finish == "stop":
+                        if not self.ids and (not out.keys or out.keys[-1] is not None):
+                            out.push(None)  # the end-of-sequence token: counted, no text
+                        out.end("stop")
+                    else:
+                        out.end("length")
+                    break
+                if piece := out.release():
+                    yield piece
+                self._observe()
+                if rejoin and self.verifying and generated >= self.min_plain and self._propose() is not None:
+                    rejoined = True
+                    break  # rejoined: verify again
+            else:
+                if not out.finished:
+                    raise RemoteFailure("the upstream's stream ended before the output did")
+        except httpx.HTTPError as error:
+            raise RemoteFailure(f"the upstream broke off its stream: {type(error).__name__}") from None
+        finally:
+            await response.aclose()
+        log.debug("%s: plain %d: %d tokens (replayed %d)%s", self.request_id, self.requests, generated,
+                  replayed, ", rejoined" if rejoined else "")
+        if piece := out.release():
+            yield piece
+
+    def _stream_keys(self, strings: list, text: str) -> list[tuple]:
+        """(key, text) per token of a plain stream chunk."""
+        if self.ids:
+            if not all(isinstance(s, str) and TOKEN_ID.fullmatch(s) for s in strings):
+                self.state.token_ids = False
+                raise RemoteFailure("the upstream ignores return_tokens_as_token_ids")
+            return [(int(s[len("token_id:"):]), "") for s in strings]
+        if all(isinstance(s, str) for s in strings):
+            if "".join(strings) == text:
+                return [(s, s) for s in strings]
+            # An end-of-sequence token shown by its name beside no text: counted, no text.
+            named = [bool(SPECIAL_LOOKING.fullmatch(s)) for s in strings]
+            if "".join(s for s, special in zip(strings, named) if not special) == text:
+                return [(None, "") if special else (s, s) for s, special in zip(strings, named)]
+        # The tokens do not spell the text (a character split across tokens): the text wins,
+        # and these token strings cannot be compared later: no more verification.
+        self.verifying = False
+        self.fallback = "token strings that do not spell the text; plain decoding"
+        return [(None, text)] + [(None, "") for _ in strings[1:]]
+
+    # ---- the result ------------------------------------------------------------------------------
+
+    async def usage(self) -> tuple[dict, dict]:
+        stats = self.stats
+        stats.completion_tokens = len(self.out.keys)
+        stats.decode_seconds = time.perf_counter() - self.started
+        accepted = rejected = 0
+        if self.prediction is not None:
+            accepted, rejected = await asyncio.to_thread(
+                prediction_token_usage, self.prediction.text, self.prediction.token_starts, self.out.text)
+        prompt_tokens = len(self.prompt_keys) if self.prompt_keys is not None else 0
+        usage = {
+            "prompt_tokens": prompt_tokens,
+            "completion_tokens": stats.completion_tokens,
+            "total_tokens": prompt_tokens + stats.completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": 0},
+            "completion_tokens_details": {"accepted_prediction_tokens": accepted,
+                                          "rejected_prediction_tokens": rejected, "reasoning_tokens": 0},
+        }
+        report = {**stats.speculation_report(), "seed": None, "upstream_requests": self.requests,
+                  "upstream_prompt_tokens": self.prompt_tokens_sent,
+                  "remote_verification": {"alignment": "token_ids" if self.ids else "text",
+                                          "fallback": self.fallback}}
+        return usage, report
+
+
+async def _sse_events(response: httpx.Response):
+    """The JSON payloads of an event stream, up to ``[DONE]``."""
+    async for line in response.aiter_lines():
+        if not line.startswith("data:"):
+            continue
+        data = line[len("data:"):].strip()
+        if data == "[DONE]":
+            return
+        try:
+            yield json.loads(data)
+        except ValueError:
+            raise RemoteFailure("the upstream's stream holds an event that is not JSON") from None
+
+
+# ---- response shapes ----------------------------------------------------------------------------
+
+class _Shape:
+    def __init__(self, model: str, is_chat: bool, upstream: str):
+        self.model, self.is_chat, self.upstream = model, is_chat, upstream
+        self.id = ("chatcmpl-" if is_chat else "cmpl-") + uuid.uuid4().hex
+        self.created = int(time.time())
+        self.kind = "chat.completion.chunk" if is_chat else "text_completion"
+
+    async def body(self, session: Session) -> dict:
+        usage, report = await session.usage()
+        finish = session.out.finish_reason or "stop"
+        if self.is_chat:
+            choice = {"index": 0, "message": {"role": "assistant", "content": session.out.text},
+                      "logprobs": None, "finish_reason": finish}
+        else:
+            choice = {"index": 0, "text": session.out.text, "logprobs": None, "finish_reason": finish}
+        return {"id": self.id, "object": "chat.completion" if self.is_chat else "text_completion",
+                "created": self.created, "model": self.model, "choices": [choice], "usage": usage,
+                "speculation": report}
+
+    def chunk(self, text: str | None, finish_reason=None, role=False) -> bytes:
+        if self.is_chat:
+            delta = {"role": "assistant", "content": ""} if role else ({"content": text} if text else {})
+            choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+        else:
+            choice = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish_reason}
+        return _sse({"id": self.id, "object": self.kind, "created": self.created, "model": self.model,
+                     "choices": [choice]})
+
+    async def stream(self, session: Session, events, first: str | None, include_usage: bool):
+        async with contextlib.aclosing(events):
+            try:
+                if self.is_chat:
+                    yield self.chunk(None, role=True)
+                if first:
+                    yield self.chunk(first)
+                async for piece in events:
+                    if piece:
+                        yield self.chunk(piece)
+            except (APIError, RemoteFailure) as error:
+                failure = error if isinstance(error, APIError) else APIError(
+                    502, str(error), type="upstream_error", code="upstream_error")
+                yield _sse(failure.body())
+                yield b"data: [DONE]\n\n"
+                return
+            except ClientGone:
+                return
+            yield self.chunk(None if self.is_chat else "", finish_reason=session.out.finish_reason or "stop")
+            if include_usage:
+                usage, report = await session.usage()
+                yield _sse({"id": self.id, "object": self.kind, "created": self.created, "model": self.model,
+                            "choices": [], "usage": usage, "speculation": report})
+            yield b"data: [DONE]\n\n"
+
+
+def _sse(payload) -> bytes:
+    return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n".encode()
