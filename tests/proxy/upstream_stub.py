@@ -4,12 +4,22 @@ answers by model name ("...-500" fails, "...-slow" stalls, anything else answers
 Misbehaving upstreams, by model name: "leak-4xx", "leak-5xx", "leak-stream" and "leak-redirect"
 echo the Authorization header they received (in a JSON error, a text error, a stream event split
 across two network chunks, a Location header); "gzip-stream" compresses its event stream whatever
-was asked; "die-stream" breaks the connection after its first event."""
+was asked; "die-stream" breaks the connection after its first event.
+
+An echo model for remote verification, by model names starting with "echo-": a word-level model
+whose greedy output after the prompt ``ECHO_PROMPT`` is ``ECHO_GOLD``, then the end (tokens are
+words with their leading space; a ``<s>`` BOS starts every prompt and, as in vLLM, counts in
+``text_offset``). It answers echo requests with prompt logprobs (token strings, no token ids),
+plain requests and plain streams. Misbehaving variants: "echo-shifted" (text_offset shifted by
+one from the middle), "echo-no-top" (no top_logprobs), "echo-500-mid" (every second echo
+request gets a 500: a request's first verify is answered, its second fails), "echo-drop" (echo answers break off mid-body), "echo-all-fail"
+(every echo request gets a 500 and every stream breaks off after two tokens)."""
 
 from __future__ import annotations
 
 import asyncio
 import json
+import re
 import socket
 import threading
 import time
@@ -29,6 +39,7 @@ def free_port() -> int:
 def build_stub() -> tuple[FastAPI, list]:
     app = FastAPI()
     received: list[dict] = []
+    echo_calls: dict[str, int] = {}  # echo requests answered, per model
 
     async def answer(request: Request, kind: str):
         body = await request.json()
@@ -37,6 +48,8 @@ def build_stub() -> tuple[FastAPI, list]:
         misbehaving = _misbehave(model, request.headers.get("authorization", ""))
         if misbehaving is not None:
             return misbehaving
+        if model.startswith("echo-") and kind == "completion":
+            return _echo_model(model, body, echo_calls)
         if model.endswith("-500"):
             return JSONResponse({"error": {"message": "upstream exploded"}}, status_code=500)
         if model.endswith("-slow"):
@@ -115,6 +128,121 @@ def _misbehave(model: str, authorization: str):
             raise ConnectionAbortedError("the upstream died")
         return StreamingResponse(dying(), media_type="text/event-stream")
     return None
+
+
+# ---- the echo model ---------------------------------------------------------------------------------
+
+ECHO_PROMPT = "List:"
+ECHO_GOLD = (" alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu nu xi omicron pi rho"
+             " sigma tau upsilon phi chi psi omega")
+ECHO_BOS = "<s>"
+_ECHO_TOKEN = re.compile(r"\s*\S+|\s+")
+_GOLD_ENDS = {m.end() for m in _ECHO_TOKEN.finditer(ECHO_GOLD)}
+
+
+def echo_tokens(text: str) -> list[str]:
+    return _ECHO_TOKEN.findall(text)
+
+
+def echo_next(text: str) -> str:
+    """The echo model's greedy next token after ``text`` (without the BOS); "" is the end."""
+    if not text.startswith(ECHO_PROMPT):
+        return ""
+    written = text[len(ECHO_PROMPT):]
+    if not ECHO_GOLD.startswith(written) or (written and len(written) not in _GOLD_ENDS):
+        return ""
+    rest = ECHO_GOLD[len(written):]
+    return _ECHO_TOKEN.match(rest).group() if rest else ""
+
+
+def echo_greedy(prompt: str, max_tokens: int) -> tuple[list[str], str]:
+    """(tokens, finish_reason) of the echo model's greedy output; the end token is ""."""
+    tokens, text = [], prompt
+    while len(tokens) < max_tokens:
+        token = echo_next(text)
+        tokens.append(token)
+        if not token:
+            return tokens, "stop"
+        text += token
+    return tokens, "length"
+
+
+def _echo_model(model: str, body: dict, calls: dict):
+    prompt = body.get("prompt", "")
+    max_tokens = body.get("max_tokens") if body.get("max_tokens") is not None else 16
+    if body.get("echo"):
+        calls[model] = calls.get(model, 0) + 1
+        if model == "echo-all-fail" or (model == "echo-500-mid" and calls[model] % 2 == 0):
+            return JSONResponse({"error": {"message": "echo exploded"}}, status_code=500)
+        answer = _echo_answer(model, prompt)
+        if model == "echo-drop":
+            raw = json.dumps(answer)
+
+            async def breaking():
+                yield raw[: len(raw) // 2]
+                await asyncio.sleep(0.05)
+                raise ConnectionAbortedError("the upstream died")
+            return StreamingResponse(breaking(), media_type="application/json")
+        return answer
+    tokens, finish = echo_greedy(prompt, max_tokens)
+    if not body.get("stream"):
+        return {"id": "up-echo", "object": "text_completion", "created": 0, "model": model,
+                "choices": [{"index": 0, "text": "".join(tokens), "logprobs": None, "finish_reason": finish}],
+                "usage": {"prompt_tokens": len(echo_tokens(prompt)) + 1, "completion_tokens": len(tokens),
+                          "total_tokens": len(echo_tokens(prompt)) + 1 + len(tokens)}}
+
+    async def events():
+        for index, token in enumerate(tokens):
+            if model == "echo-all-fail" and index == 2:
+                yield 'data: {"id": "up-echo", "choi'
+                await asyncio.sleep(0.05)
+                raise ConnectionAbortedError("the upstream died")
+            choice = {"index": 0, "text": token, "logprobs": {"tokens": [token], "token_logprobs": [-0.5],
+                                                              "top_logprobs": [None], "text_offset": [0]},
+                      "finish_reason": finish if index == len(tokens) - 1 else None}
+            yield "data: " + json.dumps({"id": "up-echo", "object": "text_completion", "created": 0,
+                                         "model": model, "choices": [choice]}) + "\n\n"
+            await asyncio.sleep(0.005)
+        if (body.get("stream_options") or {}).get("include_usage"):
+            usage = {"prompt_tokens": len(echo_tokens(prompt)) + 1, "completion_tokens": len(tokens),
+                     "total_tokens": len(echo_tokens(prompt)) + 1 + len(tokens)}
+            yield "data: " + json.dumps({"id": "up-echo", "object": "text_completion", "created": 0,
+                                         "model": model, "choices": [], "usage": usage}) + "\n\n"
+        yield "data: [DONE]\n\n"
+    return StreamingResponse(events(), media_type="text/event-stream")
+
+
+def _echo_answer(model: str, prompt: str) -> dict:
+    """An echo answer over ``prompt`` (max_tokens 1, logprobs 1), vLLM's shape, token strings."""
+    tokens = [ECHO_BOS] + echo_tokens(prompt)
+    logprobs, tops, offsets, at = [None], [None], [], 0
+    for index, token in enumerate(tokens):
+        offsets.append(at)
+        at += len(token)
+        if index == 0:
+            continue
+        before = "".join(tokens[1:index])
+        # Inside the prompt the model follows the prompt; after it, its greedy choice ("" ends).
+        best = echo_next(before) if before.startswith(ECHO_PROMPT) else token
+        top = {best: -0.5}
+        if token != best:
+            top[token] = -3.0
+        logprobs.append(top[token])
+        tops.append(top)
+    generated = echo_next(prompt)
+    tokens.append(generated)
+    logprobs.append(-0.5)
+    tops.append({generated: -0.5})
+    offsets.append(at)
+    if model == "echo-shifted":
+        offsets = [o + 1 if i >= len(offsets) // 2 else o for i, o in enumerate(offsets)]
+    if model == "echo-no-top":
+        tops = [None] * len(tops)
+    return {"id": "up-echo", "object": "text_completion", "created": 0, "model": model,
+            "choices": [{"index": 0, "text": prompt + generated, "finish_reason": "length" if generated else "stop",
+                         "logprobs": {"tokens": tokens, "token_logprobs": logprobs, "top_logprobs": tops,
+                                      "text_offset": offsets}}],
+            "usage": {"prompt_tokens": len(tokens) - 1, "completion_tokens": 1, "total_tokens": len(tokens)}}
 
 
 class StubServer:

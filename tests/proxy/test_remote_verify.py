@@ -1,0 +1,393 @@
+"""Remote verification (``proxy/server/remote_verify.py``) and echo with prompt logprobs
+(``proxy/server/echo.py``), over real HTTP.
+
+Two ``foretell serve`` processes on a tiny model: the *upstream*, and the *proxy*, whose TOML
+routes ``tiny`` to the upstream with ``verify_predictions = "echo"`` and the model's tokenizer
+(token-id alignment), and ``tiny-text`` with ``"auto"`` and no tokenizer (text alignment); plus
+the stub upstream's echo model (``upstream_stub.py``) for echo answers that are wrong.
+
+The tiny model writes only whole lowercase words (every other embedding row is zeroed), so its
+greedy output is the tokenizer's own split of its text and remote verification can follow it
+token for token; a random model that writes subword runs would send every request down the
+plain path (still exact, but nothing to see)."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+
+import httpx
+import pytest
+import torch
+
+from tests.proxy.upstream_stub import ECHO_GOLD, ECHO_PROMPT, StubServer, echo_greedy, free_port
+
+PROMPT = "the quick brown fox jumps over the lazy dog and"
+N = 40
+GEMMA_TEMPLATE = (
+    "{{ bos_token }}{% for message in messages %}{% if message['role'] == 'assistant' %}{% set role = 'model' %}"
+    "{% else %}{% set role = message['role'] %}{% endif %}{{ '<start_of_turn>' + role + '\\n' + message['content']"
+    " | trim + '<end_of_turn>\\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<start_of_turn>model\\n' }}{% endif %}")
+STUB_MODELS = ["echo-ok", "echo-shifted", "echo-no-top", "echo-500-mid", "echo-drop", "echo-all-fail"]
+
+
+# ---- servers ------------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def word_model(tokenizer, tmp_path_factory):
+    """The tiny Gemma 3 of tests/helpers.py, restricted to whole lowercase words, saved."""
+    from tests.helpers import build_tiny_gemma
+
+    model = build_tiny_gemma(tokenizer, seed=1)
+    words = re.compile(r"^▁[a-z]{2,9}$")
+    keep = torch.zeros(model.config.vocab_size, dtype=torch.bool)
+    for token, index in tokenizer.get_vocab().items():
+        if index < model.config.vocab_size and words.match(token):
+            keep[index] = True
+    keep[tokenizer.eos_token_id] = True
+    with torch.no_grad():
+        model.get_input_embeddings().weight[~keep] = 0.0
+    folder = tmp_path_factory.mktemp("word-gemma")
+    model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    # The embedded tokenizer has no chat template; Gemma 3's turn markup, for the chat tests.
+    from transformers import AutoTokenizer
+
+    templated = AutoTokenizer.from_pretrained(str(folder), local_files_only=True)
+    templated.chat_template = GEMMA_TEMPLATE
+    templated.save_pretrained(folder)
+    return model, folder
+
+
+def _start(folder, port: int, log_path, *args: str) -> subprocess.Popen:
+    env = dict(os.environ, HF_HUB_OFFLINE="1")
+    for name in ("FORETELL_API_KEY", "FORETELL_UPSTREAM_BASE_URL", "FORETELL_CONFIG"):
+        env.pop(name, None)
+    with open(log_path, "w") as log:
+        return subprocess.Popen(
+            [sys.executable, "-m", "foretell.cli", "serve", "--model", str(folder), "--port", str(port),
+             "--no-calibrate", *args], env=env, stdout=log, stderr=subprocess.STDOUT)
+
+
+@pytest.fixture(scope="module")
+def servers(word_model, tmp_path_factory):
+    _, folder = word_model
+    work = tmp_path_factory.mktemp("remote")
+    up_port, proxy_port = free_port(), free_port()
+    (work / "up.toml").write_text('[models.tiny-text]\nlocal = true\n')
+    with StubServer() as stub:
+        stub_routes = "".join(
+            f'[upstreams.stub-{m}]\nbase_url = "{stub.base_url}"\nverify_predictions = "echo"\nmax_retries = 0\n'
+            f'[models.{m}]\nupstream = "stub-{m}"\n' for m in STUB_MODELS)
+        (work / "proxy.toml").write_text(f"""
+[upstreams.up]
+base_url = "http://127.0.0.1:{up_port}/v1"
+verify_predictions = "echo"
+tokenizer = "{folder}"
+max_retries = 0
+timeout_seconds = 120
+
+[upstreams.up-text]
+base_url = "http://127.0.0.1:{up_port}/v1"
+verify_predictions = "auto"
+max_retries = 0
+timeout_seconds = 120
+
+[models.tiny]
+upstream = "up"
+[models.tiny-text]
+upstream = "up-text"
+""" + stub_routes)
+        processes = [_start(folder, up_port, work / "up.log", "--served-model-name", "tiny",
+                            "--config", str(work / "up.toml")),
+                     _start(folder, proxy_port, work / "proxy.log", "--served-model-name", "proxy-local",
+                            "--config", str(work / "proxy.toml"))]
+        bases = [f"http://127.0.0.1:{up_port}", f"http://127.0.0.1:{proxy_port}"]
+        try:
+            deadline = time.time() + 180
+            for process, base, name in zip(processes, bases, ["up.log", "proxy.log"]):
+                while True:
+                    if process.poll() is not None:
+                        raise RuntimeError("foretell serve exited:\n" + (work / name).read_text())
+                    with contextlib.suppress(httpx.TransportError):
+                        if httpx.get(base + "/health", timeout=2).status_code == 200:
+                            break
+                    if time.time() > deadline:
+                        raise RuntimeError("foretell serve did not become healthy:\n" + (work / name).read_text())
+                    time.sleep(0.1)
+            yield {"up": bases[0], "proxy": bases[1], "proxy_log": work / "proxy.log", "stub": stub}
+        finally:
+            for process in processes:
+                process.terminate()
+            for process in processes:
+                try:
+                    process.wait(timeout=20)
+                except subprocess.TimeoutExpired:
+                    process.kill()
+
+
+def post(base: str, path: str, body: dict) -> httpx.Response:
+    return httpx.post(base + path, json=body, timeout=300)
+
+
+def complete(base: str, body: dict) -> dict:
+    response = post(base, "/v1/completions", body)
+    assert response.status_code == 200, response.text
+    return response.json()
+
+
+def stream(base: str, path: str, body: dict) -> tuple[list[dict], httpx.Response]:
+    events = []
+    with httpx.stream("POST", base + path, json={**body, "stream": True}, timeout=300) as response:
+        for line in response.iter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                events.append(json.loads(line[len("data: "):]))
+    return events, response
+
+
+@pytest.fixture(scope="module")
+def reference(servers) -> str:
+    """The upstream's own greedy text for PROMPT."""
+    text, _ = _own(servers, {"prompt": PROMPT, "max_tokens": N, "temperature": 0})
+    assert len(text.split()) >= 30, text  # whole words, enough to edit
+    return text
+
+
+# ---- 1. echo and prompt logprobs on foretell's own /v1/completions ---------------------------------
+
+def test_echo_scores_the_prompt_as_one_full_forward(servers, word_model, tokenizer):
+    model, _ = word_model
+    ids = tokenizer(PROMPT)["input_ids"]
+    with torch.inference_mode():
+        oracle = torch.log_softmax(model(input_ids=torch.tensor([ids])).logits[0].float(), dim=-1)  # [n, V]
+    body = complete(servers["up"], {"model": "tiny", "prompt": PROMPT, "echo": True, "logprobs": 3,
+                                    "max_tokens": 0, "return_tokens_as_token_ids": True})
+    choice = body["choices"][0]
+    assert choice["text"] == PROMPT and choice["finish_reason"] == "length"
+    assert body["usage"]["completion_tokens"] == 0 and body["usage"]["prompt_tokens"] == len(ids)
+    logprobs = choice["logprobs"]
+    assert logprobs["tokens"] == [f"token_id:{i}" for i in ids]
+    assert logprobs["token_logprobs"][0] is None and logprobs["top_logprobs"][0] is None
+    for j in range(1, len(ids)):
+        expected = oracle[j - 1]
+        assert logprobs["token_logprobs"][j] == pytest.approx(float(expected[ids[j]]), abs=1e-4)
+        best = torch.topk(expected, 3)
+        top = logprobs["top_logprobs"][j]
+        for index, value in zip(best.indices.tolist(), best.values.tolist()):
+            assert top[f"token_id:{index}"] == pytest.approx(value, abs=1e-4)
+        assert f"token_id:{ids[j]}" in top and len(top) <= 4  # the token itself, besides the best 3
+    spans = tokenizer(PROMPT, return_offsets_mapping=True)["offset_mapping"]
+    assert logprobs["text_offset"] == [start for start, _ in spans]  # BOS at 0, spanning nothing
+
+
+def test_echo_with_a_completion_and_token_texts(servers, tokenizer):
+    plain = complete(servers["up"], {"model": "tiny", "prompt": PROMPT, "max_tokens": 6, "temperature": 0,
+                                     "logprobs": 1})
+    echoed = complete(servers["up"], {"model": "tiny", "prompt": PROMPT, "max_tokens": 6, "temperature": 0,
+                                      "logprobs": 1, "echo": True})
+    completion = plain["choices"][0]["text"]
+    choice = echoed["choices"][0]
+    assert choice["text"] == PROMPT + completion
+    logprobs, tail = choice["logprobs"], plain["choices"][0]["logprobs"]
+    ids = tokenizer(PROMPT)["input_ids"]
+    assert logprobs["tokens"] == [tokenizer.decode([i]) for i in ids] + tail["tokens"]
+    assert logprobs["tokens"][0] == "<bos>"
+    assert logprobs["token_logprobs"][len(ids):] == pytest.approx(tail["token_logprobs"], abs=1e-4)
+    offsets = logprobs["text_offset"][len(ids):]
+    assert offsets[0] == len(PROMPT)
+    for offset, token in zip(offsets, tail["tokens"]):
+        assert choice["text"][offset:offset + len(token)] == token  # offsets index the echoed text
+
+
+def test_echo_streams_the_prompt_first(servers):
+    body = {"model": "tiny", "prompt": PROMPT, "max_tokens": 5, "temperature": 0, "echo": True}
+    whole = complete(servers["up"], body)["choices"][0]["text"]
+    events, _ = stream(servers["up"], "/v1/completions", body)
+    texts = [e["choices"][0]["text"] for e in events if e.get("choices")]
+    assert texts[0] == PROMPT and "".join(texts) == whole
+    events, _ = stream(servers["up"], "/v1/completions", {**body, "logprobs": 1})
+    tokens = [t for e in events if e.get("choices") and e["choices"][0]["logprobs"]
+              for t in e["choices"][0]["logprobs"]["tokens"]]
+    assert tokens == complete(servers["up"], {**body, "logprobs": 1})["choices"][0]["logprobs"]["tokens"]
+
+
+def test_max_tokens_zero_only_with_echo(servers):
+    refused = post(servers["up"], "/v1/completions", {"model": "tiny", "prompt": PROMPT, "max_tokens": 0})
+    assert refused.status_code == 400 and refused.json()["error"]["param"] == "max_tokens"
+    scored = complete(servers["up"], {"model": "tiny", "prompt": PROMPT, "max_tokens": 0, "echo": True})
+    assert scored["choices"][0]["text"] == PROMPT and scored["choices"][0]["logprobs"] is None
+
+
+def test_tokenize_and_detokenize_round_trip(servers, tokenizer):
+    answer = post(servers["up"], "/tokenize", {"model": "tiny", "prompt": PROMPT}).json()
+    ids = tokenizer(PROMPT)["input_ids"]
+    assert answer["tokens"] == ids and answer["count"] == len(ids) and answer["max_model_len"] == 4096
+    back = post(servers["up"], "/detokenize", {"model": "tiny", "tokens": answer["tokens"]}).json()
+    assert back["prompt"] == "<bos>" + PROMPT
+    messages = [{"role": "user", "content": "Hi there"}]
+    chat = post(servers["up"], "/tokenize", {"model": "tiny", "messages": messages}).json()
+    templated = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True,
+                                              chat_template=GEMMA_TEMPLATE)
+    assert templated.startswith("<bos><start_of_turn>user\n")
+    assert chat["tokens"] == tokenizer(templated, add_special_tokens=False)["input_ids"]
+    bad = post(servers["up"], "/detokenize", {"model": "tiny", "tokens": [1, -5]})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "tokens.1"
+    assert post(servers["up"], "/tokenize", {"model": "nope", "prompt": "x"}).status_code == 404
+
+
+# ---- 2. remote verification against a foretell upstream -------------------------------------------
+
+def _edit(text: str) -> str:
+    """An insertion, a deletion and a replacement of whole words."""
+    words = text.split(" ")
+    return " ".join(words[:6] + ["inserted", "here"] + words[6:14] + words[16:24] + ["replaced"] + words[25:])
+
+
+def _through(servers, model: str, body: dict, streamed: bool, pieces_at_least: int = 1) -> tuple[str, str, dict]:
+    """(text, finish_reason, final body or usage chunk) of a request through the proxy."""
+    if not streamed:
+        answer = complete(servers["proxy"], {"model": model, **body})
+        return answer["choices"][0]["text"], answer["choices"][0]["finish_reason"], answer
+    events, response = stream(servers["proxy"], "/v1/completions",
+                              {"model": model, **body, "stream_options": {"include_usage": True}})
+    assert response.status_code == 200
+    assert not any("error" in e for e in events), events
+    pieces = [e["choices"][0] for e in events if e.get("choices")]
+    assert len([p for p in pieces if p["text"]]) >= pieces_at_least  # streamed as it is confirmed
+    return "".join(p["text"] for p in pieces), pieces[-1]["finish_reason"], events[-1]
+
+
+_OWN: dict[str, tuple[str, str]] = {}
+
+
+def _own(servers, body: dict) -> tuple[str, str]:
+    """The upstream's own answer to the same request, without the prediction."""
+    plain = {"model": "tiny", **{k: v for k, v in body.items() if k != "prediction"}}
+    key = json.dumps(plain, sort_keys=True)
+    if key not in _OWN:
+        answer = complete(servers["up"], plain)
+        _OWN[key] = answer["choices"][0]["text"], answer["choices"][0]["finish_reason"]
+    return _OWN[key]
+
+
+@pytest.mark.parametrize("streamed", [False, True], ids=["json", "stream"])
+def test_edits_equal_the_upstreams_own_greedy_text(servers, reference, streamed):
+    prediction = _edit(reference)
+    body = {"prompt": PROMPT, "max_tokens": N, "temperature": 0,
+            "prediction": {"type": "content", "content": prediction}}
+    text, finish, final = _through(servers, "tiny", body, streamed, pieces_at_least=3)
+    assert (text, finish) == _own(servers, body)
+    assert text == reference
+    report = final["speculation"]
+    assert report["remote_verification"] == {"alignment": "token_ids", "fallback": None}
+    assert report["accepted_tokens"] >= N // 2 and report["per_source"]["prediction"]["accepted"] > 0
+    # Three edits cost a few round trips, far fewer than one per token.
+    assert 2 <= report["upstream_requests"] <= 12
+    assert report["upstream_prompt_tokens"] > len(PROMPT.split())
+    details = final["usage"]["completion_tokens_details"]
+    assert details["accepted_prediction_tokens"] > 20 and details["rejected_prediction_tokens"] >= 1
+    assert final["usage"]["completion_tokens"] == N
+
+
+@pytest.mark.parametrize("streamed", [False, True], ids=["json", "stream"])
+def test_stop_and_max_tokens_inside_an_accepted_draft(servers, reference, streamed):
+    words = reference.split(" ")
+    stop = " " + words[15]  # a word the accepted draft runs through
+    body = {"prompt": PROMPT, "max_tokens": N, "temperature": 0, "stop": [stop, "zzzz"],
+            "prediction": {"type": "content", "content": reference}}
+    text, finish, final = _through(servers, "tiny", body, streamed)
+    assert (text, finish) == _own(servers, body) and finish == "stop"
+    assert text == reference[:reference.index(stop)] and stop not in text
+    body = {"prompt": PROMPT, "max_tokens": 17, "temperature": 0,
+            "prediction": {"type": "content", "content": reference}}
+    text, finish, final = _through(servers, "tiny", body, streamed)
+    assert (text, finish) == _own(servers, body) and finish == "length"
+    assert final["usage"]["completion_tokens"] == 17
+    assert final["speculation"]["upstream_requests"] == 1  # one verify: 16 accepted + the recovered/bonus
+
+
+def test_a_useless_prediction_is_still_exact(servers, reference):
+    body = {"prompt": PROMPT, "max_tokens": 24, "temperature": 0,
+            "prediction": {"type": "content", "content": "def main():\n    return 42\n" * 3}}
+    text, finish, final = _through(servers, "tiny", body, False)
+    assert (text, finish) == _own(servers, body)
+    assert final["speculation"]["accepted_tokens"] == 0
+
+
+def test_chat_with_the_routes_template(servers, reference):
+    messages = [{"role": "user", "content": "the quick brown fox"}]
+    own = post(servers["up"], "/v1/chat/completions",
+               {"model": "tiny", "messages": messages, "max_tokens": 24, "temperature": 0}).json()
+    text = own["choices"][0]["message"]["content"]
+    response = post(servers["proxy"], "/v1/chat/completions", {
+        "model": "tiny", "messages": messages, "max_tokens": 24, "temperature": 0,
+        "prediction": {"type": "content", "content": _edit(text)}}).json()
+    assert response["choices"][0]["message"]["content"] == text
+    assert response["choices"][0]["finish_reason"] == own["choices"][0]["finish_reason"]
+    assert response["object"] == "chat.completion" and response["speculation"]["accepted_tokens"] > 0
+
+
+def test_text_alignment_without_a_tokenizer(servers, reference):
+    log = servers["proxy_log"].read_text()
+    assert "upstream 'up-text': remote verification on" in log and "token ids: yes" in log
+    body = {"prompt": PROMPT, "max_tokens": N, "temperature": 0,
+            "prediction": {"type": "content", "content": _edit(reference)}}
+    text, finish, final = _through(servers, "tiny-text", body, False)
+    assert (text, finish) == (reference, "length")
+    report = final["speculation"]
+    assert report["remote_verification"]["alignment"] == "text" and report["accepted_tokens"] >= N // 2
+
+
+def test_requests_that_are_not_greedy_are_forwarded(servers):
+    response = post(servers["proxy"], "/v1/completions", {
+        "model": "tiny", "prompt": PROMPT, "max_tokens": 4,
+        "prediction": {"type": "content", "content": "anything"}})  # no temperature: the upstream's
+    assert response.status_code == 200
+    assert "prediction dropped" in response.headers["x-foretell-note"]
+    assert "remote_verification" not in response.json().get("speculation", {})
+
+
+# ---- 3. an upstream that answers echo requests wrongly -------------------------------------------------
+
+STUB_EXPECTED = "".join(echo_greedy(ECHO_PROMPT, 40)[0])
+STUB_PREDICTION = ECHO_GOLD.replace(" eta", " eta inserted").replace(" pi rho", " pi")
+
+
+@pytest.mark.parametrize("model", ["echo-ok", "echo-shifted", "echo-no-top", "echo-500-mid", "echo-drop"])
+def test_wrong_echo_answers_never_give_wrong_text(servers, model):
+    body = {"prompt": ECHO_PROMPT, "max_tokens": 40, "temperature": 0,
+            "prediction": {"type": "content", "content": STUB_PREDICTION}}
+    text, finish, final = _through(servers, model, body, False)
+    assert (text, finish) == (STUB_EXPECTED, "stop")
+    report = final["speculation"]
+    assert report["remote_verification"]["alignment"] == "text"
+    if model == "echo-ok":
+        assert report["remote_verification"]["fallback"] is None and report["accepted_tokens"] >= 15
+    else:
+        assert report["remote_verification"]["fallback"]  # says why it went plain
+
+
+def test_a_broken_echo_answer_mid_stream_continues_exactly(servers):
+    body = {"prompt": ECHO_PROMPT, "max_tokens": 40, "temperature": 0,
+            "prediction": {"type": "content", "content": STUB_PREDICTION}}
+    text, finish, final = _through(servers, "echo-500-mid", body, True)
+    assert (text, finish) == (STUB_EXPECTED, "stop")
+    assert final["speculation"]["accepted_tokens"] > 0 and final["speculation"]["remote_verification"]["fallback"]
+
+
+def test_an_upstream_failing_everything_is_a_clean_error(servers):
+    body = {"model": "echo-all-fail", "prompt": ECHO_PROMPT, "max_tokens": 40, "temperature": 0,
+            "prediction": {"type": "content", "content": STUB_PREDICTION}}
+    response = post(servers["proxy"], "/v1/completions", body)
+    assert response.status_code == 502 and response.json()["error"]["type"] == "upstream_error"
+    events, response = stream(servers["proxy"], "/v1/completions", body)
+    if response.status_code == 200:  # the stream had started: an error event ends it
+        text = "".join(e["choices"][0]["text"] for e in events if e.get("choices"))
+        assert events and "error" in events[-1] and STUB_EXPECTED.startswith(text)
+    else:
+        assert response.status_code == 502
