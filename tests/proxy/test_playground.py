@@ -16,6 +16,7 @@ import pytest
 
 from foretell.sdk.edit import build_edit_prompt, extract_edited_text
 from tests.proxy.live_server import live_server
+from tests.proxy.upstream_stub import StubServer
 
 CHROMIUM = os.environ.get("FORETELL_CHROMIUM", "/usr/bin/chromium")
 CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
@@ -30,9 +31,15 @@ WAIT_MS = 240_000
 
 @pytest.fixture(scope="module")
 def served(tmp_path_factory, tiny_model_folder):
-    log = tmp_path_factory.mktemp("playground") / "serve.log"
-    with live_server(tiny_model_folder, log, "--served-model-name", "tiny") as server:
-        yield server
+    """The tiny model as "tiny", and "up-ok" routed to a stub upstream."""
+    folder = tmp_path_factory.mktemp("playground")
+    config = folder / "foretell.toml"
+    with StubServer() as upstream:
+        config.write_text(f'[upstreams.stub]\nbase_url = "{upstream.base_url}"\nmax_retries = 0\n\n'
+                          '[models.up-ok]\nupstream = "stub"\n')
+        with live_server(tiny_model_folder, folder / "serve.log", "--served-model-name", "tiny",
+                         "--config", str(config)) as server:
+            yield server
 
 
 @pytest.fixture(scope="module")
@@ -146,7 +153,7 @@ def test_the_page_is_served_with_a_strict_policy(served):
 
 def test_the_page_loads_without_console_errors_and_lists_the_models(page):
     options = page.page.eval_on_selector_all("#model option", "options => options.map(o => o.value)")
-    assert options == ["tiny"]
+    assert options == ["tiny", "up-ok"]  # the local model first, then the upstream routes
     assert page.page.inner_text("#health") == "ready"
     assert page.page.is_hidden("#key-panel") and page.page.is_hidden("#error")
     assert page.errors == []
@@ -193,6 +200,15 @@ def test_a_changed_answer_shows_in_the_diff(page, greedy):
     diff = page.page.inner_text("#diff")
     assert "lines" in diff and page.page.locator("#diff .del").count() >= 1
     assert page.page.locator("#diff .add").count() >= 1
+    assert page.errors == []
+
+
+def test_an_upstream_route_streams_without_colours(page):
+    page.page.select_option("#model", "up-ok")
+    run_prompt(page, PROMPT, "", 8)
+    assert page.page.inner_text("#answer") == "Hello from upstream"
+    assert {cls for cls, _ in answer_spans(page.page)} == {"o-unknown"}  # no origins to colour by
+    assert "did not report token origins" in page.page.inner_text("#note")
     assert page.errors == []
 
 
