@@ -16,6 +16,11 @@ with ``speculation.prompt_lookup``, on an upstream whose ``verify_predictions`` 
   prompt lookup (``PromptLookupSource``, only runs of at least ``LOOKUP_MIN_DRAFT`` tokens);
 - **plain**: where no draft is available (after an edit's seam), a plain greedy stream continues
   the output and is closed as soon as the output rejoins the prediction, then verify again;
+- **when**: a verify is sent only while its expected yield (the source's measured acceptance and
+  current agreement run, as the local engine estimates it) beats plain decoding for the time it
+  costs; both costs are measured per upstream (an echo request's time by its prompt tokens, a
+  plain token's time in plain streams), so a GPU upstream, where prefill is cheap, verifies at
+  once, and a slow-prefill upstream keeps decoding plainly until the copy has proven itself;
 - text goes to the client as it is confirmed (``IncrementalDetokenizer`` + ``StopStringHold``:
   stop strings and ``max_tokens`` are applied here exactly as in the local engine, so nothing is
   streamed past a stop string).
@@ -48,8 +53,10 @@ import contextlib
 import json
 import logging
 import re
+import statistics
 import time
 import uuid
+from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -58,6 +65,13 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from foretell.proxy.engine.detokenizer import IncrementalDetokenizer, StopStringHold
+from foretell.proxy.engine.draft_length import (
+    AcceptanceEstimate,
+    OnlinePassCost,
+    PassCostModel,
+    candidate_lengths,
+    expected_yield,
+)
 from foretell.proxy.engine.draft_sources import PredictionSource, PromptLookupSource
 from foretell.proxy.engine.prediction_usage import prediction_token_usage
 from foretell.proxy.engine.sequence import GenerationStats, SourceStats
@@ -77,6 +91,10 @@ LOOKUP_MIN_DRAFT = 8
 BOUNDARY_TOKENS = 3
 # Plain tokens before a rejoin may end a plain stream; doubled after each useless verify.
 MAX_MIN_PLAIN = 64
+# Until both costs are measured, verify-vs-plain assumes an echo request costs as much as this
+# many plain tokens plus one per PREFILL_RATIO prompt tokens (prefill is that much cheaper).
+PRIOR_VERIFY_FIXED_TOKENS = 2.0
+PRIOR_PREFILL_RATIO = 15.0
 # Upstream failures one request survives (each one continues plainly from the last exact point).
 MAX_FAILURES = 2
 # How long "auto" keeps trying to reach an upstream at start-up.
@@ -315,6 +333,16 @@ class UpstreamState:
         self.tokenizer = None
         self.eos_ids: frozenset[int] = frozenset()
         self.loading: asyncio.Task | None = None
+        # Measured costs: an echo request's seconds by its prompt tokens; a plain token's seconds.
+        self.verify_cost = OnlinePassCost(PassCostModel(fixed=PRIOR_VERIFY_FIXED_TOKENS, per_position=1 / PRIOR_PREFILL_RATIO))
+        self.verify_measured = False
+        self.plain_token_seconds: deque = deque(maxlen=64)
+
+    def costs(self) -> tuple[PassCostModel, float] | None:
+        """(echo request seconds by prompt tokens, seconds per plain token), once both are known."""
+        if not self.verify_measured or len(self.plain_token_seconds) < 2:
+            return None
+        return self.verify_cost.model, statistics.median(self.plain_token_seconds)
 
 
 class RemoteVerifier:
@@ -522,6 +550,9 @@ class Session:
         self.failures = 0
         self.fallback: str | None = None  # why verification stopped, for the report
         self.min_plain = 1
+        # A prediction is presumed right where the output starts (as PredictionSource presumes).
+        self.estimates = {name: AcceptanceEstimate(prior_accepted=9.0 if name == "prediction" else 4.0)
+                          for name in self.stats.per_source}
         self.started = time.perf_counter()
 
     # ---- helpers ----------------------------------------------------------------------------
@@ -546,25 +577,38 @@ class Session:
             self.lookup.observe([key for key in self.out.keys], self.out.raw)
 
     def _propose(self) -> Draft | None:
+        """The draft to verify now, or None: no source has one, or none is worth its round trip."""
         limit = min(self.max_draft, self.max_tokens - len(self.out.keys) - 1)
         if limit < 1:
             return None
         source = self.prediction
         if source is not None and source.cursor is not None and source.cursor < len(source.text):
             starts = source.token_starts
-            if isinstance(source.tokenizer, TextPieces):
-                # Pieces are not tokens: as many characters as `limit` tokens of this output hold.
-                per_token = len(self.out.raw) / len(self.out.keys) if self.out.raw else 4.0
-                index = bisect.bisect_left(starts, source.cursor + int(limit * per_token) + 1)
-                end = starts[index] if index < len(starts) else len(source.text)
+            pieces = isinstance(source.tokenizer, TextPieces)
+            # Pieces are not tokens: count by the characters per token of this output.
+            per_token = (len(self.out.raw) / len(self.out.keys) if self.out.raw else 4.0) if pieces else None
+            index = bisect.bisect_left(starts, source.cursor)
+            # Inside a token (an edit's seam) the piece up to the next token start is one more.
+            head = 0 if index < len(starts) and starts[index] == source.cursor else 1
+            if pieces:
+                available = min(limit, max(1, round((len(source.text) - source.cursor) / per_token)))
             else:
-                index = bisect.bisect_left(starts, source.cursor)
-                end = starts[index + limit] if index + limit < len(starts) else len(source.text)
-            if end > source.cursor:
-                return Draft(source.text[source.cursor:end], "prediction")
+                available = min(limit, len(starts) - index + head)
+            length = self._worth(source.name, available, source.agreement_run())
+            if length:
+                if pieces:
+                    index = bisect.bisect_left(starts, source.cursor + int(length * per_token) + 1)
+                    end = starts[index] if index < len(starts) else len(source.text)
+                else:
+                    stop = index + length - head
+                    end = starts[stop] if stop < len(starts) else len(source.text)
+                if end > source.cursor:
+                    return Draft(source.text[source.cursor:end], "prediction")
         if self.lookup is not None:
             proposal = self.lookup.propose(limit)
-            if len(proposal) >= LOOKUP_MIN_DRAFT:
+            length = self._worth("prompt_lookup", len(proposal), None) if len(proposal) >= LOOKUP_MIN_DRAFT else 0
+            if length:
+                proposal = proposal[:length]
                 if self.ids:
                     text = self._decode_after((self.prompt_keys + self.out.keys)[-BOUNDARY_TOKENS:], proposal)
                 else:
@@ -572,6 +616,24 @@ class Session:
                 if text:
                     return Draft(text, "prompt_lookup")
         return None
+
+    def _worth(self, source: str, available: int, run: float | None) -> int:
+        """The draft length (tokens) whose verify yields the most tokens per second, or 0 when
+        plain decoding is faster. Before both costs are measured: all of it."""
+        if available < 1:
+            return 0
+        costs = self.state.costs()
+        if costs is None or self.upstream.verify_always:
+            return available
+        verify, plain = costs
+        context = (len(self.prompt_keys) if self.prompt_keys is not None else len(self.prompt) // 4) + len(self.out.keys)
+        acceptance = self.estimates[source].rate
+        best, best_rate = 0, 1.0 / plain
+        for length in candidate_lengths(available):
+            rate = expected_yield(acceptance, run, length) / verify.at(context + length)
+            if rate > best_rate:
+                best, best_rate = length, rate
+        return best
 
     async def _context_exact(self) -> bool:
         """Token ids: does ``prompt + output`` re-tokenise into the tokens actually chosen?"""
@@ -660,7 +722,10 @@ class Session:
         if self.special is not None:
             body["add_special_tokens"] = self.special
         self.requests += 1
+        asked = time.perf_counter()
         answer = parse_echo(await self.verifier.post_json(self.upstream, "/completions", body), sent)
+        self.state.verify_cost.observe(answer.prompt_tokens, time.perf_counter() - asked)
+        self.state.verify_measured = True
         self.prompt_tokens_sent += answer.prompt_tokens
         self.stats.target_passes += 1
         if self.ids and not answer.ids:
@@ -715,6 +780,9 @@ class Session:
             elif complete:
                 self._bonus(answer)
         if draft is not None:
+            estimate = self.estimates[draft.source]
+            estimate.accepted = estimate.accepted * estimate.decay + kept_drafts
+            estimate.rejected = estimate.rejected * estimate.decay + (1 if kept_drafts < len(drafted) else 0)
             record = self.stats.per_source[draft.source]
             record.rounds += 1
             record.drafted += len(drafted)
@@ -767,6 +835,7 @@ class Session:
         except APIError as error:
             raise RemoteFailure(redactor.text(error.message)) from None
         generated, replayed, counted, rejoined = 0, 0, False, False
+        last_chunk = None  # when the previous tokens arrived (the first include the prefill)
         try:
             if response.status_code >= 400:
                 detail = redactor.bytes(await response.aread())[:300].decode("utf-8", "replace")
@@ -788,6 +857,13 @@ class Session:
                 if text and not strings:
                     raise RemoteFailure("a stream chunk came without its tokens")
                 keys = self._stream_keys(strings, text)
+                now = time.perf_counter()
+                if keys and last_chunk is not None and replayed >= len(replay):
+                    self.state.plain_token_seconds.append((now - last_chunk) / len(keys))
+                if keys:
+                    last_chunk = now
+                followed_from = self.prediction.cursor if self.prediction is not None else None
+                grown_from, pushed = len(out.raw), 0
                 for key, string in keys:
                     if replayed < len(replay):
                         if key != replay[replayed]:
@@ -796,9 +872,17 @@ class Session:
                         continue
                     out.push(key, string)
                     generated += 1
+                    pushed += 1
                     self.stats.target_passes += 1
                     if out.finished:
                         break
+                self._observe()
+                if pushed and followed_from is not None:
+                    # Score the prediction on plain tokens too: did it foresee them?
+                    estimate = self.estimates["prediction"]
+                    followed = self.prediction.cursor == followed_from + len(out.raw) - grown_from
+                    estimate.accepted = estimate.accepted * estimate.decay + (pushed if followed else 0)
+                    estimate.rejected = estimate.rejected * estimate.decay + (0 if followed else 1)
                 if out.finished:
                     break
                 finish = choice.get("finish_reason")
@@ -812,7 +896,6 @@ class Session:
                     break
                 if piece := out.release():
                     yield piece
-                self._observe()
                 if rejoin and self.verifying and generated >= self.min_plain and self._propose() is not None:
                     rejoined = True
                     break  # rejoined: verify again

@@ -76,6 +76,9 @@ class Upstream:
     # A local tokenizer matching the upstream's model (a Hugging Face folder, a .gguf file, or
     # "gemma-3-270m"): exact token ids, chat requests (its chat template), token counts.
     tokenizer: str | None = None
+    # Verify whenever a draft is available, without weighing an echo request's measured cost
+    # against plain decoding (for an upstream whose prefill is known to be cheap).
+    verify_always: bool = False
 
     def key(self) -> str | None:
         if self.api_key is not None:
@@ -123,7 +126,8 @@ def load_routes(config_path: str | None, environ=os.environ) -> RouteTable:
             raise ValueError(f"config file {config_path} is not valid TOML: {error}") from None
         for name, spec in data.get("upstreams", {}).items():
             unknown = set(spec) - {"base_url", "api_key_env", "supports_prediction", "timeout_seconds",
-                                   "connect_timeout_seconds", "max_retries", "verify_predictions", "tokenizer"}
+                                   "connect_timeout_seconds", "max_retries", "verify_predictions", "tokenizer",
+                                   "verify_always"}
             if unknown or "base_url" not in spec:
                 raise ValueError(f"upstream {name!r}: needs base_url; unknown keys {sorted(unknown)}")
             _check_verify_mode(spec.get("verify_predictions", "off"), f"upstream {name!r}: verify_predictions")

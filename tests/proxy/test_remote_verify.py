@@ -79,7 +79,7 @@ def servers(word_model, tmp_path_factory):
     _, folder = word_model
     work = tmp_path_factory.mktemp("remote")
     up_port, proxy_port = free_port(), free_port()
-    (work / "up.toml").write_text('[models.tiny-text]\nlocal = true\n')
+    (work / "up.toml").write_text('[models.tiny-text]\nlocal = true\n[models.tiny-measured]\nlocal = true\n')
     with StubServer() as stub:
         stub_routes = "".join(
             f'[upstreams.stub-{m}]\nbase_url = "{stub.base_url}"\nverify_predictions = "echo"\nmax_retries = 0\n'
@@ -89,12 +89,21 @@ def servers(word_model, tmp_path_factory):
 base_url = "http://127.0.0.1:{up_port}/v1"
 verify_predictions = "echo"
 tokenizer = "{folder}"
+verify_always = true
 max_retries = 0
 timeout_seconds = 120
 
 [upstreams.up-text]
 base_url = "http://127.0.0.1:{up_port}/v1"
 verify_predictions = "auto"
+verify_always = true
+max_retries = 0
+timeout_seconds = 120
+
+[upstreams.up-measured]
+base_url = "http://127.0.0.1:{up_port}/v1"
+verify_predictions = "echo"
+tokenizer = "{folder}"
 max_retries = 0
 timeout_seconds = 120
 
@@ -102,6 +111,8 @@ timeout_seconds = 120
 upstream = "up"
 [models.tiny-text]
 upstream = "up-text"
+[models.tiny-measured]
+upstream = "up-measured"
 """ + stub_routes)
         processes = [_start(folder, up_port, work / "up.log", "--served-model-name", "tiny",
                             "--config", str(work / "up.toml")),
@@ -341,6 +352,36 @@ def test_text_alignment_without_a_tokenizer(servers, reference):
     assert (text, finish) == (reference, "length")
     report = final["speculation"]
     assert report["remote_verification"]["alignment"] == "text" and report["accepted_tokens"] >= N // 2
+
+
+def test_verify_when_it_pays_by_measured_costs(servers, reference):
+    # Without verify_always a verify is sent only while its expected yield beats plain decoding
+    # at the measured costs: whatever it decides, the text is the upstream's own.
+    for prediction in (_edit(reference), "def main():\n    return 42\n" * 3):
+        body = {"prompt": PROMPT, "max_tokens": N, "temperature": 0,
+                "prediction": {"type": "content", "content": prediction}}
+        text, finish, final = _through(servers, "tiny-measured", body, False)
+        assert (text, finish) == (reference, "length")
+        assert final["speculation"]["upstream_requests"] >= 1
+
+
+def test_the_cost_policy_chooses_plain_decoding_when_prefill_is_dear():
+    from foretell.proxy.server.remote_verify import Session, UpstreamState
+    from foretell.proxy.server.upstream import Upstream
+
+    state = UpstreamState(Upstream(name="u", base_url="http://127.0.0.1:9/v1", verify_predictions="echo"))
+    session = Session(None, state, "m", "x" * 400, None, 200, (), "y" * 400, False, 128, "req", None, frozenset())
+    assert session._worth("prediction", 64, 8.0) == 64  # nothing measured yet: verify all of it
+    state.verify_cost.observe(150, 3.0)  # an echo request of 150 tokens took 3 s
+    state.verify_measured = True
+    state.plain_token_seconds.extend([0.1, 0.1, 0.1])  # a plain token 0.1 s
+    assert session._worth("prediction", 64, 8.0) == 0  # a fresh run yields less than 30 tokens
+    assert session._worth("prediction", 128, 1000.0) == 0  # acceptance 0.9 still caps the yield
+    session.estimates["prediction"].accepted, session.estimates["prediction"].rejected = 1000.0, 0.01
+    assert session._worth("prediction", 128, 1000.0) == 128  # a long proven copy pays
+    state.verify_cost.observe(150, 0.05)  # a GPU-like upstream: prefill nearly free
+    state.verify_cost.observe(150, 0.05)
+    assert session._worth("prediction", 64, 8.0) > 0
 
 
 def test_requests_that_are_not_greedy_are_forwarded(servers):
