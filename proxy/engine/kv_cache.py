@@ -283,6 +283,10 @@ class PagedKVCache:
             if table[index] is not None:
                 self.pools[SLIDING].release(table[index])
                 table[index] = None
+                # The window moves on: the block is promised back to this sequence, which holds
+                # at most its window's worth at once however long it runs.
+                seq.reserved[SLIDING] = seq.reserved.get(SLIDING, 0) + 1
+                self._promised[SLIDING] += 1
 
     def _slots(self, group: str, seq: SequenceBlocks, start: int, end: int) -> torch.Tensor:
         """Slots of positions [start, end), taking blocks as needed."""

@@ -175,3 +175,14 @@ def test_embedded_model_batched_equals_alone(embedded):
     requests = edit_requests(tokenizer, [r.text for r in plain], prompts, 24)
     _, diverged = check_batched_equals_alone(engine, embedded.model, requests, levels=(4, 8))
     print(f"embedded model: {diverged} of {2 * len(requests)} batched runs diverged at a near tie")
+
+
+def test_sliding_layers_keep_only_their_window(tiny_model, tokenizer):
+    # The sliding pool holds 14 blocks of 4 positions: a 150-token answer must recycle them.
+    engine = SpeculativeEngine(tiny_model, tokenizer, kv_cache_tokens=1024, block_size=4,
+                               prefill_chunk=16, max_sequences=1, max_draft_positions=16)
+    assert engine.cache.pools["sliding_attention"].num_blocks == 14
+    prompt = tokenizer("one two three")["input_ids"]
+    result = engine.generate(GenerationRequest(prompt_ids=prompt, max_tokens=150, max_draft=8))
+    assert result.token_ids == greedy_reference(tiny_model, prompt, 150)
+    assert engine.cache._promised == {"full_attention": 0, "sliding_attention": 0}
