@@ -343,7 +343,11 @@ def add_token_routes(app, settings, get_local: Callable, read_body: Callable, pr
             if parsed.add_generation_prompt or not getattr(tokenizer, "chat_template", None):
                 text = chat_prompt(tokenizer, parsed.messages)
             else:
-                text = tokenizer.apply_chat_template(turns, tokenize=False, add_generation_prompt=False)
+                try:
+                    text = tokenizer.apply_chat_template(turns, tokenize=False, add_generation_prompt=False)
+                except Exception as error:  # a template that rejects this conversation
+                    raise APIError(400, f"the model's chat template rejected the messages: {error}",
+                                   param="messages") from None
             param, default_special = "messages", False
         else:
             text, param, default_special = parsed.prompt, "prompt", True

@@ -16,11 +16,13 @@ with ``speculation.prompt_lookup``, on an upstream whose ``verify_predictions`` 
   prompt lookup (``PromptLookupSource``, only runs of at least ``LOOKUP_MIN_DRAFT`` tokens);
 - **plain**: where no draft is available (after an edit's seam), a plain greedy stream continues
   the output and is closed as soon as the output rejoins the prediction, then verify again;
-- **when**: a verify is sent only while its expected yield (the source's measured acceptance and
-  current agreement run, as the local engine estimates it) beats plain decoding for the time it
-  costs; both costs are measured per upstream (an echo request's time by its prompt tokens, a
-  plain token's time in plain streams), so a GPU upstream, where prefill is cheap, verifies at
-  once, and a slow-prefill upstream keeps decoding plainly until the copy has proven itself;
+- **when**: the request's first prediction draft is always verified (the prediction is presumed
+  right where the output starts, so one echo request at most is risked); after that a verify is
+  sent only while its expected yield (the source's measured acceptance and current agreement
+  run, as the local engine estimates them) beats plain decoding for the time it costs; both
+  costs are measured per upstream (an echo request's time by its prompt tokens, a plain token's
+  time in plain streams), so a GPU upstream, where prefill is cheap, keeps verifying, and a
+  slow-prefill upstream decodes plainly until a copy has proven itself;
 - text goes to the client as it is confirmed (``IncrementalDetokenizer`` + ``StopStringHold``:
   stop strings and ``max_tokens`` are applied here exactly as in the local engine, so nothing is
   streamed past a stop string).
@@ -551,6 +553,7 @@ class Session:
         self.fallback: str | None = None  # why verification stopped, for the report
         self.min_plain = 1
         # A prediction is presumed right where the output starts (as PredictionSource presumes).
+        self.tried_prediction = False  # a verify of a prediction draft was sent
         self.estimates = {name: AcceptanceEstimate(prior_accepted=9.0 if name == "prediction" else 4.0)
                           for name in self.stats.per_source}
         self.started = time.perf_counter()
@@ -623,7 +626,9 @@ class Session:
         if available < 1:
             return 0
         costs = self.state.costs()
-        if costs is None or self.upstream.verify_always:
+        if costs is None or self.upstream.verify_always or (source == "prediction" and not self.tried_prediction):
+            # Unmeasured, told to, or the request's first try of its prediction, which is
+            # presumed right where the output starts: one echo request at most is risked.
             return available
         verify, plain = costs
         context = (len(self.prompt_keys) if self.prompt_keys is not None else len(self.prompt) // 4) + len(self.out.keys)
@@ -780,6 +785,7 @@ class Session:
             elif complete:
                 self._bonus(answer)
         if draft is not None:
+            self.tried_prediction |= draft.source == "prediction"
             estimate = self.estimates[draft.source]
             estimate.accepted = estimate.accepted * estimate.decay + kept_drafts
             estimate.rejected = estimate.rejected * estimate.decay + (1 if kept_drafts < len(drafted) else 0)
@@ -830,11 +836,15 @@ class Session:
             body["add_special_tokens"] = self.special
         redactor = Redactor(self.verifier.settings.routes.keys())
         self.requests += 1
+        # Prompt tokens sent: known here (the stream's usage chunk, when read, corrects it; a
+        # stream closed early never sends one).
+        sent = (len(self.prompt_keys) if self.prompt_keys is not None else len(self.prompt) // 4) + start_tokens
+        self.prompt_tokens_sent += sent
         try:
             response = await self.verifier.forwarder.open(self.upstream, "/completions", body)
         except APIError as error:
             raise RemoteFailure(redactor.text(error.message)) from None
-        generated, replayed, counted, rejoined = 0, 0, False, False
+        generated, replayed, counted, rejoined, upstream_done = 0, 0, False, False, False
         last_chunk = None  # when the previous tokens arrived (the first include the prefill)
         try:
             if response.status_code >= 400:
@@ -846,11 +856,11 @@ class Session:
                                         + redactor.text(json.dumps(event)[:300]))
                 usage = event.get("usage")
                 if isinstance(usage, dict) and isinstance(usage.get("prompt_tokens"), int) and not counted:
-                    self.prompt_tokens_sent += usage["prompt_tokens"]
+                    self.prompt_tokens_sent += usage["prompt_tokens"] - sent
                     counted = True
                 choices = event.get("choices") or []
-                if not choices:
-                    continue
+                if not choices or upstream_done:
+                    continue  # after the upstream's last token: only its usage is still read
                 choice = choices[0]
                 text = choice.get("text") or ""
                 strings = (choice.get("logprobs") or {}).get("tokens") or []
@@ -883,9 +893,12 @@ class Session:
                     followed = self.prediction.cursor == followed_from + len(out.raw) - grown_from
                     estimate.accepted = estimate.accepted * estimate.decay + (pushed if followed else 0)
                     estimate.rejected = estimate.rejected * estimate.decay + (0 if followed else 1)
-                if out.finished:
-                    break
                 finish = choice.get("finish_reason")
+                if out.finished:
+                    if finish:
+                        upstream_done = True
+                        continue
+                    break  # a stop string or max_tokens here: the upstream would go on
                 if finish and replayed >= len(replay):
                     if finish == "stop":
                         if not self.ids and (not out.keys or out.keys[-1] is not None):
@@ -893,7 +906,8 @@ class Session:
                         out.end("stop")
                     else:
                         out.end("length")
-                    break
+                    upstream_done = True
+                    continue
                 if piece := out.release():
                     yield piece
                 if rejoin and self.verifying and generated >= self.min_plain and self._propose() is not None:

@@ -375,6 +375,8 @@ def test_the_cost_policy_chooses_plain_decoding_when_prefill_is_dear():
     state.verify_cost.observe(150, 3.0)  # an echo request of 150 tokens took 3 s
     state.verify_measured = True
     state.plain_token_seconds.extend([0.1, 0.1, 0.1])  # a plain token 0.1 s
+    assert session._worth("prediction", 64, 8.0) == 64  # the request's first try of its prediction
+    session.tried_prediction = True
     assert session._worth("prediction", 64, 8.0) == 0  # a fresh run yields less than 30 tokens
     assert session._worth("prediction", 128, 1000.0) == 0  # acceptance 0.9 still caps the yield
     session.estimates["prediction"].accepted, session.estimates["prediction"].rejected = 1000.0, 0.01
