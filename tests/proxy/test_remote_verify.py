@@ -330,6 +330,17 @@ def test_a_useless_prediction_is_still_exact(servers, reference):
     assert final["speculation"]["accepted_tokens"] == 0
 
 
+def test_prompt_lookup_alone(servers, reference):
+    # No prediction: drafts are copied from the prompt and the output (ids decoded locally).
+    prompt = PROMPT + reference + "\n" + PROMPT
+    body = {"prompt": prompt, "max_tokens": 30, "temperature": 0, "speculation": {"prompt_lookup": True}}
+    answer = complete(servers["proxy"], {"model": "tiny", **body})
+    assert (answer["choices"][0]["text"], answer["choices"][0]["finish_reason"]) == _own(servers, body)
+    report = answer["speculation"]
+    assert set(report["per_source"]) == {"prompt_lookup"} and report["remote_verification"]["fallback"] is None
+    assert answer["usage"]["completion_tokens_details"]["accepted_prediction_tokens"] == 0
+
+
 def test_chat_with_the_routes_template(servers, reference):
     messages = [{"role": "user", "content": "the quick brown fox"}]
     own = post(servers["up"], "/v1/chat/completions",
