@@ -181,6 +181,13 @@ def assemble_baseline(ref: str) -> str:
     return str(root / "site")
 
 
+def remove_baseline(site: str) -> None:
+    """Drop the worktree ``assemble_baseline`` made (and its registration in the repository)."""
+    repo = Path(__file__).resolve().parents[1]
+    subprocess.run(["git", "-C", str(repo), "worktree", "remove", "--force", str(Path(site).parent / "tree")],
+                   capture_output=True)
+
+
 def fmt(values, scale: float, digits: int) -> str:
     return "/".join(f"{scale * percentile(values, q):.{digits}f}" for q in (50, 99))
 
@@ -198,14 +205,15 @@ def main() -> int:
     args = parser.parse_args()
 
     servers = {}  # name -> (process or None, base url)
+    baseline = None
     try:
         if args.base_url:
             servers["foretell"] = (None, args.base_url)
         else:
             servers["foretell"] = start_server(args.requests + 1, max(args.concurrency))
         if args.baseline_ref:
-            servers[f"baseline {args.baseline_ref}"] = start_server(
-                args.requests + 1, baseline_dir=assemble_baseline(args.baseline_ref))
+            baseline = assemble_baseline(args.baseline_ref)
+            servers[f"baseline {args.baseline_ref}"] = start_server(args.requests + 1, baseline_dir=baseline)
         items = workload(args.requests, args.max_lines)
         print("| concurrency | workload | server | TTFT p50/p99 (s) | TPOT p50/p99 (ms) | "
               "output tok/s | acceptance |")
@@ -231,6 +239,8 @@ def main() -> int:
             if process is not None:
                 process.terminate()
                 process.wait(timeout=30)
+        if baseline is not None:
+            remove_baseline(baseline)
     return 0
 
 
