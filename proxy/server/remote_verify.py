@@ -874,6 +874,9 @@ class Session:
                     last_chunk = now
                 followed_from = self.prediction.cursor if self.prediction is not None else None
                 grown_from, pushed = len(out.raw), 0
+                # What prompt lookup would have drafted here, scored against what came (as the
+                # local engine scores every source every round).
+                foreseen = self.lookup.propose(len(keys)) if self.lookup is not None and replayed >= len(replay) else []
                 for key, string in keys:
                     if replayed < len(replay):
                         if key != replay[replayed]:
@@ -887,6 +890,8 @@ class Session:
                     if out.finished:
                         break
                 self._observe()
+                if pushed and foreseen:
+                    self.estimates["prompt_lookup"].update(foreseen, out.keys[-pushed:])
                 if pushed and followed_from is not None:
                     # Score the prediction on plain tokens too: did it foresee them?
                     estimate = self.estimates["prediction"]
