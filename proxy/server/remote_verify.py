@@ -521,6 +521,7 @@ class RemoteVerifier:
 class Draft:
     text: str
     source: str
+    expected: float | None = None  # the tokens its verify was expected to yield (None: not weighed)
 
 
 class Session:
@@ -554,6 +555,9 @@ class Session:
         self.min_plain = 1
         # A prediction is presumed right where the output starts (as PredictionSource presumes).
         self.tried_prediction = False  # a verify of a prediction draft was sent
+        # Realised over expected yield of this request's weighed verifies, per source: a model
+        # that leaves its copies every few dozen tokens soon stops earning long verifies.
+        self.calibration = {name: 1.0 for name in self.stats.per_source}
         self.estimates = {name: AcceptanceEstimate(prior_accepted=9.0 if name == "prediction" else 4.0)
                           for name in self.stats.per_source}
         self.started = time.perf_counter()
@@ -597,7 +601,7 @@ class Session:
                 available = min(limit, max(1, round((len(source.text) - source.cursor) / per_token)))
             else:
                 available = min(limit, len(starts) - index + head)
-            length = self._worth(source.name, available, source.agreement_run())
+            length, expected = self._worth(source.name, available, source.agreement_run())
             if length:
                 if pieces:
                     index = bisect.bisect_left(starts, source.cursor + int(length * per_token) + 1)
@@ -606,10 +610,11 @@ class Session:
                     stop = index + length - head
                     end = starts[stop] if stop < len(starts) else len(source.text)
                 if end > source.cursor:
-                    return Draft(source.text[source.cursor:end], "prediction")
+                    return Draft(source.text[source.cursor:end], "prediction", expected)
         if self.lookup is not None:
             proposal = self.lookup.propose(limit)
-            length = self._worth("prompt_lookup", len(proposal), None) if len(proposal) >= LOOKUP_MIN_DRAFT else 0
+            length, expected = (self._worth("prompt_lookup", len(proposal), None)
+                                if len(proposal) >= LOOKUP_MIN_DRAFT else (0, None))
             if length:
                 proposal = proposal[:length]
                 if self.ids:
@@ -617,28 +622,30 @@ class Session:
                 else:
                     text = "".join(proposal) if all(_trusted(p) for p in proposal) else None
                 if text:
-                    return Draft(text, "prompt_lookup")
+                    return Draft(text, "prompt_lookup", expected)
         return None
 
-    def _worth(self, source: str, available: int, run: float | None) -> int:
-        """The draft length (tokens) whose verify yields the most tokens per second, or 0 when
-        plain decoding is faster. Before both costs are measured: all of it."""
+    def _worth(self, source: str, available: int, run: float | None) -> tuple[int, float | None]:
+        """(the draft length whose verify yields the most tokens per second, or 0 when plain
+        decoding is faster; the tokens it is expected to yield). Before both costs are measured:
+        all of it."""
         if available < 1:
-            return 0
+            return 0, None
         costs = self.state.costs()
         if costs is None or self.upstream.verify_always or (source == "prediction" and not self.tried_prediction):
             # Unmeasured, told to, or the request's first try of its prediction, which is
             # presumed right where the output starts: one echo request at most is risked.
-            return available
+            return available, None
         verify, plain = costs
         context = (len(self.prompt_keys) if self.prompt_keys is not None else len(self.prompt) // 4) + len(self.out.keys)
-        acceptance = self.estimates[source].rate
-        best, best_rate = 0, 1.0 / plain
+        acceptance, calibration = self.estimates[source].rate, self.calibration[source]
+        best, best_rate, best_yield = 0, 1.0 / plain, None
         for length in candidate_lengths(available):
-            rate = expected_yield(acceptance, run, length) / verify.at(context + length)
+            expected = calibration * expected_yield(acceptance, run, length)
+            rate = expected / verify.at(context + length)
             if rate > best_rate:
-                best, best_rate = length, rate
-        return best
+                best, best_rate, best_yield = length, rate, expected
+        return best, best_yield
 
     async def _context_exact(self) -> bool:
         """Token ids: does ``prompt + output`` re-tokenise into the tokens actually chosen?"""
@@ -784,6 +791,10 @@ class Session:
                     out.push(recovered, recovered if not self.ids else "")
             elif complete:
                 self._bonus(answer)
+        if draft is not None and draft.expected:
+            realised = kept_drafts + (1 if len(out.keys) > before + kept_drafts else 0)
+            self.calibration[draft.source] = min(1.0, 0.5 * self.calibration[draft.source]
+                                                 + 0.5 * realised / draft.expected)
         if draft is not None:
             self.tried_prediction |= draft.source == "prediction"
             estimate = self.estimates[draft.source]
