@@ -1,5 +1,6 @@
 """Cost of one target pass by number of positions: the whole pass, the transformer body and
-the LM head apart, and the head computed in chunks of 32 rows (medians of 5 runs).
+the LM head apart, the head computed in chunks of 32 rows, and the head taken vocabulary-major
+(``weight @ hidden.T``, as the engine computes it) (medians of 5 runs).
 
     python benchmarks/pass_cost.py [--context 600] [--model M]
 """
@@ -43,9 +44,11 @@ def main() -> None:
     cache.crop(0)
     hidden_size = model.config.hidden_size
     print(f"context {args.context} tokens, torch threads {torch.get_num_threads()}")
-    print("| positions | full pass (ms) | body (ms) | LM head (ms) | LM head in 32-row chunks (ms) |")
-    print("|---|---|---|---|---|")
-    for n in (1, 17, 33, 65, 129):
+    print("| positions | full pass (ms) | body (ms) | LM head (ms) | LM head in 32-row chunks (ms) "
+          "| LM head vocabulary-major (ms) |")
+    print("|---|---|---|---|---|---|")
+    weight = model.lm_head.weight  # [V, d]
+    for n in (1, 4, 8, 17, 33, 65, 129):
         ids = torch.randint(10, 1000, (1, n))
         hidden = torch.randn(1, n, hidden_size)
 
@@ -61,8 +64,12 @@ def main() -> None:
             for start in range(0, n, 32):
                 model.lm_head(hidden[:, start:start + 32])
 
+        def head_vocabulary_major():
+            (weight @ hidden[0].t()).t().contiguous()  # [V, n] -> [n, V]
+
         print(f"| {n} | {median_ms(full):.0f} | {median_ms(body):.0f} | "
-              f"{median_ms(lambda: model.lm_head(hidden)):.0f} | {median_ms(head_chunks):.0f} |", flush=True)
+              f"{median_ms(lambda: model.lm_head(hidden)):.0f} | {median_ms(head_chunks):.0f} "
+              f"| {median_ms(head_vocabulary_major):.0f} |", flush=True)
 
 
 if __name__ == "__main__":

@@ -25,10 +25,12 @@ a step are chosen together from the fitted cost of a pass over all its positions
 
 from __future__ import annotations
 
+import contextlib
 import time
 from typing import Callable
 
 import torch
+import torch.nn.functional as F
 
 from foretell.kernels import greedy_verify
 from foretell.proxy.engine.draft_length import (
@@ -57,6 +59,8 @@ DEFAULT_KV_CACHE_TOKENS = 65536
 DEFAULT_PREFILL_CHUNK = 256
 # Drafted positions one pass may verify in all: bounds the [rows, V] logits (1 MB a row at V=262k).
 DEFAULT_MAX_DRAFT_POSITIONS = 512
+# Up to this many logit rows the output head is taken vocabulary-major (see the function below).
+VOCABULARY_MAJOR_MAX_ROWS = 32
 
 
 def token_logprobs(logits: torch.Tensor, tokens: list[int], top: int) -> list[TokenLogprob]:
@@ -238,7 +242,7 @@ class SpeculativeEngine:
             ids.extend(tokens)
             positions.extend(range(blocks.committed, blocks.committed + len(tokens)))
         self.cache.plan([(blocks, len(tokens)) for blocks, tokens, _ in feeds])
-        with self.cache.attached(self.model):
+        with self.cache.attached(self.model), _vocabulary_major_output_head(self.model):
             out = self.model(
                 input_ids=torch.tensor([ids], device=self.device),  # [1, T]
                 position_ids=torch.tensor([positions], device=self.device),  # [1, T]
@@ -329,3 +333,33 @@ class SpeculativeEngine:
 
         self.sampling_cost = PassCostModel.measure(sample, positions=positions)
         return measured
+
+
+@contextlib.contextmanager
+def _vocabulary_major_output_head(model):
+    """Compute the output head as ``weight @ hidden.T`` during one pass.
+
+    With a 262k vocabulary the head is most of a pass on a CPU, and for a few rows (a batch of
+    decoding sequences, a short draft) the BLAS library's kernel for ``hidden @ weight.T`` is up to
+    twice as slow as the same product taken vocabulary-major (``benchmarks/pass_cost.py``); from a
+    few dozen rows on the two are alike, and the usual kernel is kept. One row gives the same floats either way; a few rows may differ in the last
+    bits, as any change of batch shape does."""
+    head = model.get_output_embeddings()
+    if type(head) is not torch.nn.Linear:
+        yield
+        return
+
+    def forward(hidden: torch.Tensor) -> torch.Tensor:  # [..., d] -> [..., V]
+        rows = hidden.reshape(-1, hidden.shape[-1])  # [n, d]
+        if not 1 < rows.shape[0] <= VOCABULARY_MAJOR_MAX_ROWS:
+            return F.linear(hidden, head.weight, head.bias)
+        logits = (head.weight @ rows.t()).t().contiguous()  # [V, n] -> [n, V]
+        if head.bias is not None:
+            logits = logits + head.bias
+        return logits.reshape(*hidden.shape[:-1], logits.shape[-1])
+
+    head.forward = forward
+    try:
+        yield
+    finally:
+        del head.forward  # the class's own forward again

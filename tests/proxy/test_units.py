@@ -5,6 +5,7 @@ from __future__ import annotations
 import itertools
 
 import pytest
+import torch
 
 from foretell.proxy.engine.draft_length import (
     AcceptanceEstimate,
@@ -169,3 +170,28 @@ def test_step_drafts_pick_the_better_source():
 def test_prediction_usage(prediction, completion, accepted, rejected):
     starts = [i for i, ch in enumerate(prediction) if i == 0 or prediction[i - 1] == "\n"]
     assert prediction_token_usage(prediction, starts, completion) == (accepted, rejected)
+
+
+def test_vocabulary_major_output_head_equals_the_linear_layer_and_is_restored():
+    from foretell.proxy.engine.engine import VOCABULARY_MAJOR_MAX_ROWS, _vocabulary_major_output_head
+
+    class WithHead(torch.nn.Module):
+        def __init__(self, bias: bool):
+            super().__init__()
+            self.head = torch.nn.Linear(24, 1000, bias=bias)
+
+        def get_output_embeddings(self):
+            return self.head
+
+    torch.manual_seed(0)
+    for bias in (False, True):
+        model = WithHead(bias)
+        for rows in (0, 1, 5, VOCABULARY_MAJOR_MAX_ROWS, VOCABULARY_MAJOR_MAX_ROWS + 3):
+            hidden = torch.randn(1, rows, 24)
+            expected = torch.nn.functional.linear(hidden, model.head.weight, model.head.bias)  # [1, rows, V]
+            with _vocabulary_major_output_head(model):
+                assert "forward" in vars(model.head)
+                got = model.head(hidden)
+            assert got.shape == expected.shape and got.is_contiguous()
+            torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+            assert "forward" not in vars(model.head)  # the class's own forward again
