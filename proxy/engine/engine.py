@@ -41,6 +41,7 @@ from foretell.proxy.engine.draft_length import (
     choose_step_drafts,
 )
 from foretell.proxy.engine.kv_cache import FULL, SLIDING, CacheFullError, PagedKVCache, SequenceBlocks
+from foretell.proxy.engine.prompt_logprob_cache import PromptLogprobCache
 from foretell.proxy.engine.sampling import SpeculativeSampler
 from foretell.proxy.engine.sequence import (
     GenerationRequest,
@@ -101,6 +102,7 @@ class SpeculativeEngine:
         sliding_tokens = min(kv_cache_tokens,
                              max_sequences * (window + prefill_chunk + max_draft_positions + 4 * block_size))
         self.cache = PagedKVCache(model, kv_cache_tokens, block_size, sliding_tokens=sliding_tokens)
+        self.prompt_logprob_cache = PromptLogprobCache(max_positions=kv_cache_tokens)
 
     @property
     def pass_cost(self) -> PassCostModel:
@@ -138,6 +140,12 @@ class SpeculativeEngine:
         seq = Sequence(request, max_tokens, self.tokenizer, self.device, self.eos_token_ids, blocks)
         if request.prompt_logprobs is None:
             seq.stats.cached_tokens = self.cache.match_prefix(blocks, seq.prompt)
+        else:  # a cached prefix serves only as far as its prompt logprobs are known
+            known = self.prompt_logprob_cache.lookup(seq.prompt, request.prompt_logprobs)
+            if known:
+                reused = self.cache.match_prefix(blocks, seq.prompt[: len(known) + 1])
+                seq.prompt_logprobs.extend(known[:reused])
+                seq.stats.cached_tokens = reused
         return seq
 
     def abort(self, seq: Sequence) -> GenerationResult:
@@ -178,6 +186,8 @@ class SpeculativeEngine:
                     logits[row:row + chunk], seq.prompt[start + 1:start + chunk + 1],
                     seq.request.prompt_logprobs))
                 row += chunk
+                if verifies:  # the prompt is complete
+                    self.prompt_logprob_cache.store(seq.prompt, seq.request.prompt_logprobs, seq.prompt_logprobs)
             if not verifies:
                 seq.blocks.committed += chunk
                 continue
@@ -196,10 +206,11 @@ class SpeculativeEngine:
             torch.cuda.synchronize()
         self.cost.observe(sum(len(tokens) for _, tokens, _ in feeds), time.perf_counter() - started)
         for seq, _, _ in plan:
+            # A finished sequence's prompt is cached too (a one-token request's included).
+            self.cache.register_prompt_blocks(seq.blocks, seq.prompt)
             if seq.finished:
                 self.cache.free(seq.blocks)
             else:
-                self.cache.register_prompt_blocks(seq.blocks, seq.prompt)
                 self.cache.release_behind_window(seq.blocks)
         return updates
 

@@ -41,8 +41,9 @@ class GenerationRequest:
     # and filtering) with this many alternatives each; None: not computed.
     logprobs: int | None = None
     # Log-probabilities of the prompt's own tokens (OpenAI's legacy ``echo`` with ``logprobs``)
-    # with this many alternatives; None: not computed. Such a request skips the prefix cache
-    # (a cached prefix has no logits).
+    # with this many alternatives; None: not computed. Such a request reuses the prefix cache only
+    # as far as an earlier prompt's logprobs are known (``prompt_logprob_cache.py``): a cached
+    # prefix has no logits.
     prompt_logprobs: int | None = None
 
 
