@@ -1,10 +1,10 @@
 """Soak check: mixed traffic against ``foretell serve`` on the embedded model for a long while, with
 the server's resident memory sampled every minute.
 
-The traffic, from a few concurrent clients, all on 127.0.0.1: streamed and plain completions and
-chats (unicode, stop strings, predictions, prompt lookup, sampled ``n > 1``), clients that disconnect
-after the first event, the bad inputs of the probe table (``tests/proxy/test_probe.py``, but for the two rows that
-depend on its tiny model and on having no upstream), and
+The traffic, from a few concurrent clients, all on 127.0.0.1: streamed and plain completions
+and chats (unicode, stop strings, predictions, prompt lookup, sampled ``n > 1``), clients that
+disconnect after the first event, the bad inputs of the probe table (``tests/proxy/test_probe.py``,
+but for the two rows that depend on its tiny model and on having no upstream), and
 forwarded requests to a stub upstream (``tests/proxy/upstream_stub.py``) that answers, fails with
 a 500, or dies mid-stream. Every tenth plain stream is checked against the same request not
 streamed (greedy: the texts must be equal).
@@ -105,8 +105,8 @@ class Soak:
         self.unexpected.append(f"{kind}: {detail[:300]}")
 
     async def one(self, client: httpx.AsyncClient) -> None:
-        kind = self.random.choice(["stream", "stream", "prediction", "lookup", "chat", "n2", "disconnect", "bad", "bad",
-                                   "upstream", "upstream-500", "upstream-dies"])
+        kind = self.random.choice(["stream", "stream", "prediction", "lookup", "chat", "n2", "disconnect",
+                                   "bad", "bad", "upstream", "upstream-500", "upstream-dies"])
         self.sent[kind] += 1
         number = next(self.counter)
         prompt, before = self.items[number % len(self.items)]

@@ -187,7 +187,8 @@ class SpeculativeEngine:
                     seq.request.prompt_logprobs))
                 row += chunk
                 if verifies:  # the prompt is complete
-                    self.prompt_logprob_cache.store(seq.prompt, seq.request.prompt_logprobs, seq.prompt_logprobs)
+                    self.prompt_logprob_cache.store(seq.prompt, seq.request.prompt_logprobs,
+                                                    seq.prompt_logprobs)
             if not verifies:
                 seq.blocks.committed += chunk
                 continue
@@ -351,10 +352,11 @@ def _vocabulary_major_output_head(model):
     """Compute the output head as ``weight @ hidden.T`` during one pass.
 
     With a 262k vocabulary the head is most of a pass on a CPU, and for a few rows (a batch of
-    decoding sequences, a short draft) the BLAS library's kernel for ``hidden @ weight.T`` is up to
-    twice as slow as the same product taken vocabulary-major (``benchmarks/pass_cost.py``); from a
-    few dozen rows on the two are alike, and the usual kernel is kept. One row gives the same floats either way; a few rows may differ in the last
-    bits, as any change of batch shape does."""
+    decoding sequences, a short draft) the BLAS library's kernel for ``hidden @ weight.T`` is up
+    to twice as slow as the same product taken vocabulary-major (``benchmarks/pass_cost.py``);
+    from a few dozen rows on the two are alike, and the usual kernel is kept. One row gives the
+    same floats either way; a few rows may differ in the last bits, as any change of batch shape
+    does."""
     head = model.get_output_embeddings()
     if type(head) is not torch.nn.Linear:
         yield

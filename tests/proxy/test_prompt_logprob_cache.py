@@ -13,8 +13,8 @@ from foretell.proxy.engine.sequence import TokenLogprob
 CONTEXT = "def parse(line):\n    key, value = line.split('=')\n    return key.strip(), value\n" * 3
 
 
-def entries(prompt: list[int], top: int, tag: float = 0.0) -> list[TokenLogprob]:
-    return [TokenLogprob(t, -float(i) - tag, [(t, -0.5)] * top) for i, t in enumerate(prompt[1:])]
+def entries(prompt: list[int], top: int) -> list[TokenLogprob]:
+    return [TokenLogprob(t, -float(i), [(t, -0.5)] * top) for i, t in enumerate(prompt[1:])]
 
 
 def test_common_prefix():
