@@ -177,15 +177,8 @@ class Soak:
                     self.problem("transport", repr(error))
 
 
-def rss_mib(pid: int) -> float:
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) / 1024
-    return float("nan")
-
-
-async def soak(base: str, pid: int, minutes: float, clients: int, seed: int) -> int:
-    runner = Soak(base, seed)
+async def soak(server, minutes: float, clients: int, seed: int) -> int:
+    runner = Soak(server.base, seed)
     started = time.monotonic()
     deadline = started + 60 * minutes
     tasks = [asyncio.create_task(runner.client_loop(deadline)) for _ in range(clients)]
@@ -198,7 +191,7 @@ async def soak(base: str, pid: int, minutes: float, clients: int, seed: int) -> 
         ended = all(task.done() for task in tasks)
         if time.monotonic() - started >= 60 * (minute + 1) or ended:
             minute += 1
-            samples.append(rss_mib(pid))
+            samples.append(server.status("VmRSS") / 1024)  # kB -> MiB
             label = "end" if ended else minute  # the clients' last requests outlast the deadline
             print(f"| {label} | {samples[-1]:.0f} | {sum(runner.sent.values())} | {len(runner.unexpected)} |",
                   flush=True)
@@ -227,7 +220,7 @@ def main() -> int:
                          env={"FORETELL_UPSTREAM_BASE_URL": stub.base_url}) as server:
             print(f"foretell serve on {server.base} (pid {server.process.pid}), stub upstream on {stub.base_url}; "
                   f"{args.minutes:g} minutes, {args.clients} clients", flush=True)
-            code = asyncio.run(soak(server.base, server.process.pid, args.minutes, args.clients, args.seed))
+            code = asyncio.run(soak(server, args.minutes, args.clients, args.seed))
             tracebacks = server.log().count("Traceback")
             print(f"tracebacks in the server log: {tracebacks}")
     return code or (1 if tracebacks else 0)

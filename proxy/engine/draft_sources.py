@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import bisect
 from collections import defaultdict
+from collections.abc import Sequence
 
 
 class PredictionSource:
@@ -83,7 +84,7 @@ class PredictionSource:
                 self.run_chars += len(new_text)
                 return
             # Diverged inside this round: remember how far the output still agreed.
-            agreed = _common_prefix_length(new_text, self.text[self.cursor : self.cursor + len(new_text)])
+            agreed = common_prefix_length(new_text, self.text[self.cursor : self.cursor + len(new_text)])
             self.last_cursor = self.cursor + agreed
             self.cursor = None
         self.cursor, self.run_chars = self._reanchor(output_text)
@@ -183,7 +184,8 @@ class PromptLookupSource:
         self._extend(output_ids[len(self.tokens) - self.prompt_length :])
 
 
-def _common_prefix_length(a: str, b: str) -> int:
+def common_prefix_length(a: Sequence, b: Sequence) -> int:
+    """Length of the longest common prefix of two strings or token lists."""
     length = 0
     for x, y in zip(a, b):
         if x != y:

@@ -15,17 +15,10 @@ from __future__ import annotations
 
 from collections import OrderedDict
 
+from foretell.proxy.engine.draft_sources import common_prefix_length
 from foretell.proxy.engine.sequence import TokenLogprob
 
 DEFAULT_MAX_POSITIONS = 65536
-
-
-def common_prefix(a: list[int] | tuple[int, ...], b: list[int] | tuple[int, ...]) -> int:
-    """Length of the longest common prefix of two token lists."""
-    for index, (x, y) in enumerate(zip(a, b)):
-        if x != y:
-            return index
-    return min(len(a), len(b))
 
 
 class PromptLogprobCache:
@@ -45,7 +38,7 @@ class PromptLogprobCache:
         for key, (cached_top, entries) in self.prompts.items():
             if cached_top < top:
                 continue
-            shared = min(common_prefix(key, prompt), len(entries) + 1)
+            shared = common_prefix_length(key, prompt)  # a key is its entries' prompt: len(entries) + 1
             if shared > best:
                 best_key, best = key, shared
         if best_key is None or best < 2:

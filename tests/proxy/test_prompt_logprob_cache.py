@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from foretell.proxy.engine import GenerationRequest, SpeculativeEngine
-from foretell.proxy.engine.prompt_logprob_cache import PromptLogprobCache, common_prefix
+from foretell.proxy.engine.draft_sources import common_prefix_length
+from foretell.proxy.engine.prompt_logprob_cache import PromptLogprobCache
 from foretell.proxy.engine.sequence import TokenLogprob
 
 CONTEXT = "def parse(line):\n    key, value = line.split('=')\n    return key.strip(), value\n" * 3
@@ -17,10 +18,10 @@ def entries(prompt: list[int], top: int) -> list[TokenLogprob]:
     return [TokenLogprob(t, -float(i), [(t, -0.5)] * top) for i, t in enumerate(prompt[1:])]
 
 
-def test_common_prefix():
-    assert common_prefix([1, 2, 3], [1, 2, 4]) == 2
-    assert common_prefix([1, 2], [1, 2, 3]) == 2
-    assert common_prefix([], [1]) == 0
+def test_common_prefix_length_of_token_lists():
+    assert common_prefix_length((1, 2, 3), [1, 2, 4]) == 2
+    assert common_prefix_length((1, 2), [1, 2, 3]) == 2
+    assert common_prefix_length((), [1]) == 0
 
 
 def test_lookup_returns_the_entries_of_the_shared_tokens_only():
