@@ -6,8 +6,10 @@ With ``echo: true`` the choice's text is the prompt followed by the completion; 
 one has no log-probability: ``null`` in ``token_logprobs`` and ``top_logprobs``), then the
 completion's. ``text_offset`` indexes the choice's text: a prompt token's offset comes from the
 tokenizer's own character spans (a BOS token the tokenizer added spans nothing, at 0), a
-completion token's runs on from the end of the prompt. A prompt token's ``top_logprobs`` always
-holds the token itself besides the N best (so up to N + 1 entries, as OpenAI and vLLM).
+completion token's runs on from the end of the prompt. A prompt sent as token ids echoes as
+their decoded text (special tokens left out), each token's offset laid end to end. A prompt
+token's ``top_logprobs`` always holds the token itself besides the N best (so up to N + 1
+entries, as OpenAI and vLLM).
 ``max_tokens: 0`` is allowed with echo: the prompt is scored and nothing is generated (the engine
 runs one token, which is dropped).
 
@@ -35,7 +37,7 @@ from pydantic import Field, StrictBool, StrictInt, ValidationError, model_valida
 from foretell.proxy.engine import GenerationRequest
 from foretell.proxy.engine.scheduler import ErrorEvent, TokensEvent
 from foretell.proxy.server.logprobs_format import TokenTexts
-from foretell.proxy.server.prompts import chat_prompt, prompt_ids
+from foretell.proxy.server.prompts import chat_prompt, given_prompt_ids, prompt_ids
 from foretell.proxy.server.schema import (
     APIError,
     ChatMessage,
@@ -69,24 +71,35 @@ def wanted(parsed) -> bool:
 
 # ---- the prompt, with each token's character span ------------------------------------------
 
-def _prompt_with_offsets(tokenizer, text: str, context: int | None) -> tuple[list[int], list[int]]:
-    """The prompt's ids (as the ordinary path makes them) and each token's start in ``text``."""
+def _prompt_with_offsets(tokenizer, prompt: str | list[int], context: int | None) -> tuple[list[int], list[int], str]:
+    """The prompt's ids (as the ordinary path makes them), each token's start in the prompt's
+    text, and that text (a prompt of token ids: their decoded text, special tokens left out)."""
+    if isinstance(prompt, list):
+        ids = given_prompt_ids(tokenizer, prompt, context)
+        text = tokenizer.decode(ids, skip_special_tokens=True)
+        return ids, _laid_offsets(tokenizer, ids, text), text
+    text = prompt
     ids = prompt_ids(tokenizer, text, context, param="prompt")
     has_bos = bool(tokenizer.bos_token) and text.startswith(tokenizer.bos_token)
     try:
         encoded = tokenizer(text, add_special_tokens=not has_bos, return_offsets_mapping=True)
         spans = encoded["offset_mapping"]
         if list(encoded["input_ids"]) == list(ids):
-            return ids, [start for start, _ in spans]
+            return ids, [start for start, _ in spans], text
     except (NotImplementedError, ValueError, KeyError):  # a slow tokenizer has no offsets
         pass
-    # Fallback: each token's text laid end to end (exact for plain text).
+    return ids, _laid_offsets(tokenizer, ids, text), text
+
+
+def _laid_offsets(tokenizer, ids: list[int], text: str) -> list[int]:
+    """Each token's text laid end to end, special tokens spanning nothing (exact for plain text)."""
     texts, offsets, at = TokenTexts(tokenizer), [], 0
+    special = set(tokenizer.all_special_ids)
     for token in ids:
         offsets.append(min(at, len(text)))
-        if token not in tokenizer.all_special_ids:
+        if token not in special:
             at += len(texts(token))
-    return ids, offsets
+    return offsets
 
 
 # ---- the legacy logprobs object -------------------------------------------------------------
@@ -139,8 +152,8 @@ def join_parts(*parts: dict) -> dict:
 async def run(request: Request, local, parsed: CompletionRequest, hooks: LocalHooks):
     settings = hooks.settings
     async with hooks.prompt_slots:
-        ids, offsets = await asyncio.to_thread(_prompt_with_offsets, local.tokenizer, parsed.prompt,
-                                               local.context)
+        ids, offsets, prompt_text = await asyncio.to_thread(_prompt_with_offsets, local.tokenizer,
+                                                            parsed.prompt, local.context)
     requested = parsed.max_tokens_or(16)
     score_only = requested == 0  # the schema allows 0 only with echo
     if local.context is not None and max(requested, 1) > local.context - len(ids):
@@ -168,7 +181,7 @@ async def run(request: Request, local, parsed: CompletionRequest, hooks: LocalHo
         for i in range(1, parsed.n)]
     job = local.scheduler.submit(choices)  # QueueFullError: answered 429 by the caller
     started = time.perf_counter()
-    shape = _Shape(local, parsed, ids, offsets, score_only, hooks)
+    shape = _Shape(local, parsed, ids, offsets, prompt_text, score_only, hooks)
     if parsed.stream:
         include_usage = bool(parsed.stream_options and parsed.stream_options.include_usage)
         return StreamingResponse(_stream(request, local, job, shape, include_usage, started, hooks),
@@ -182,13 +195,13 @@ async def run(request: Request, local, parsed: CompletionRequest, hooks: LocalHo
 class _Shape:
     """Builds the echo responses of one request."""
 
-    def __init__(self, local, parsed, ids, offsets, score_only, hooks: LocalHooks):
+    def __init__(self, local, parsed, ids, offsets, prompt_text: str, score_only, hooks: LocalHooks):
         self.local, self.parsed, self.ids, self.offsets = local, parsed, ids, offsets
         self.score_only, self.hooks = score_only, hooks
         self.render = _Renderer(local.tokenizer, parsed.return_tokens_as_token_ids)
         self.id = "cmpl-" + uuid.uuid4().hex
         self.created = int(time.time())
-        self.prefix = parsed.prompt if parsed.echo else ""
+        self.prefix = prompt_text if parsed.echo else ""
 
     def prompt_part(self, result) -> dict:
         return prompt_logprobs_part(self.render, self.ids, self.offsets, result.prompt_logprobs or [])
@@ -242,7 +255,7 @@ async def _stream(request, local, job, shape: _Shape, include_usage: bool, start
     buffered = parsed.echo and parsed.logprobs is not None
     try:
         if parsed.echo and not buffered:
-            yield _sse(shape.chunk(parsed.prompt))
+            yield _sse(shape.chunk(shape.prefix))
         while True:
             try:
                 event = await hooks.wait_event(request, job)
@@ -265,7 +278,7 @@ async def _stream(request, local, job, shape: _Shape, include_usage: bool, start
             result = event.result
             hooks.observe(local, result, started, first)
             if buffered:
-                yield _sse(shape.chunk(parsed.prompt, shape.prompt_part(result)))
+                yield _sse(shape.chunk(shape.prefix, shape.prompt_part(result)))
                 if not shape.score_only and result.token_ids:
                     tail = completion_logprobs_part(shape.render, result.logprobs or [], offset)
                     yield _sse(shape.chunk(result.text, tail))

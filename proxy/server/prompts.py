@@ -20,8 +20,23 @@ CUT_SLACK = 16
 def request_prompt_ids(tokenizer, parsed, is_chat: bool, context: int | None) -> list[int]:
     """The prompt token ids of a validated request; APIError 400 when they do not fit the
     model's context (None: the model names none) or the chat template refuses the messages."""
+    if not is_chat and isinstance(parsed.prompt, list):
+        return given_prompt_ids(tokenizer, parsed.prompt, context)
     text = chat_prompt(tokenizer, parsed.messages) if is_chat else parsed.prompt
     return prompt_ids(tokenizer, text, context, param="messages" if is_chat else "prompt")
+
+
+def given_prompt_ids(tokenizer, ids: list[int], context: int | None) -> list[int]:
+    """A prompt sent as token ids, used as sent (no BOS added); APIError 400 for an id outside
+    the vocabulary or a prompt that does not fit the context."""
+    vocabulary = len(tokenizer)
+    bad = next((i for i, token in enumerate(ids) if token >= vocabulary), None)
+    if bad is not None:
+        raise APIError(400, f"prompt.{bad}: {ids[bad]} is not a token id of this model (0 to {vocabulary - 1})",
+                       param=f"prompt.{bad}")
+    if context is not None:
+        _check_fits(len(ids), context, "prompt")
+    return list(ids)
 
 
 def prompt_ids(tokenizer, text: str, context: int | None, param: str) -> list[int]:

@@ -135,7 +135,9 @@ class _SamplingFields(_Lenient):
 
 
 class CompletionRequest(_SamplingFields):
-    prompt: Union[Text, list[Text]]
+    # Text or token ids (as OpenAI's legacy API); one prompt per request. After validation: a
+    # string, or a list of token ids (checked against the vocabulary when tokenising).
+    prompt: Union[Text, list[Text], list[StrictInt], list[list[StrictInt]]]
     # 0 only with echo: score the prompt, generate nothing (as OpenAI's legacy API).
     max_tokens: StrictInt | None = Field(default=None, ge=0)
     # Log-probabilities of the emitted tokens with this many alternatives (OpenAI allows 0-5).
@@ -161,10 +163,17 @@ class CompletionRequest(_SamplingFields):
     @field_validator("prompt")
     @classmethod
     def _one_prompt(cls, value):
-        if isinstance(value, list):
+        if isinstance(value, list) and value and not isinstance(value[0], int):
             if len(value) != 1:
-                raise ValueError("send one prompt per request (a string or a list of one string)")
+                raise ValueError("send one prompt per request (a string, a list of token ids, or a list "
+                                 "of one of them)")
             value = value[0]
+        if isinstance(value, list):
+            if not value:
+                raise ValueError("a prompt of token ids must not be empty")
+            negative = next((i for i, token in enumerate(value) if token < 0), None)
+            if negative is not None:
+                raise ValueError(f"token ids are not negative (item {negative}: {value[negative]})")
         return value
 
 
