@@ -28,16 +28,19 @@ with ``speculation.prompt_lookup``, on an upstream whose ``verify_predictions`` 
   streamed past a stop string).
 
 **Token alignment.** *Token ids* (exact): when the route names a local ``tokenizer`` matching the
-upstream's model and the upstream answers vLLM's ``return_tokens_as_token_ids``, the context
-sent is checked token for token: the local tokenizer must re-tokenise ``prompt + output`` into
-exactly the prompt's ids plus the ids the upstream chose, and the echo's ids must start with
-them. *Text* (best effort): without them, the echo's token strings are laid over the text sent
-(their ``text_offset`` must agree, up to one constant shift such as a ``<bos>`` the upstream
-counts) and compared as strings. Re-tokenised context can differ from the upstream's own
-decoding when the model wrote a token sequence that is not how its tokenizer would split the
-same text (rare for real models); the ids check catches that, and the rest of the request then
-continues as plain greedy decoding from the last point known to be exact, replaying what was
-already sent; in text mode the check compares strings, so a rare difference can go unseen.
+upstream's model and the upstream answers vLLM's ``return_tokens_as_token_ids``, every request
+sends its prompt as token ids (OpenAI's legacy API takes them; vLLM, SGLang and foretell do):
+the prompt's ids, then the very ids the upstream chose, then the draft's ids; the echo's ids
+must be exactly those sent. Nothing is re-tokenised, so the context is the upstream's own
+decoding whatever token sequence the model wrote. An upstream that refuses its first prompt of
+token ids (a 4xx) gets text prompts from then on: the local tokenizer must then re-tokenise
+``prompt + output`` into exactly the prompt's ids plus the ids chosen, and where it does not
+(the model wrote a token sequence that is not how its tokenizer splits the same text; rare for
+real models, but a seam merging two tokens does it) the rest of the request continues as plain
+greedy decoding from the last point known to be exact, replaying what was already sent. *Text*
+(best effort): without a tokenizer or token ids, the echo's token strings are laid over the
+text sent (their ``text_offset`` must agree, up to one constant shift such as a ``<bos>`` the
+upstream counts) and compared as strings, so a rare re-tokenisation difference can go unseen.
 
 **Failures.** A malformed echo answer, a 5xx or a dropped connection never produce text: the
 request continues as plain decoding from the last exact point (the upstream's own greedy text);
@@ -116,9 +119,11 @@ HANDLED_FIELDS = frozenset({"model", "prompt", "messages", "max_tokens", "max_co
 class RemoteFailure(Exception):
     """The upstream failed or answered something the loop cannot trust."""
 
-    def __init__(self, message: str, *, unsupported: bool = False):
+    def __init__(self, message: str, *, unsupported: bool = False, status: int | None = None):
         super().__init__(message)
         self.unsupported = unsupported  # the upstream does not do echo with prompt logprobs
+        self.status = status  # the upstream's HTTP status, when it answered one
+        self.id_prompts_refused = False  # the request may go on with text prompts
 
 
 class ClientGone(Exception):
@@ -194,8 +199,9 @@ def _number(value) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
-def parse_echo(payload, sent: str) -> EchoAnswer:
-    """Check and unpack an echo answer; RemoteFailure when it is not one we can trust."""
+def parse_echo(payload, sent: str | list[int]) -> EchoAnswer:
+    """Check and unpack an echo answer to the prompt ``sent`` (text, or token ids: then the
+    caller checks the echoed ids); RemoteFailure when it is not one we can trust."""
     try:
         choice = payload["choices"][0]
         logprobs = choice["logprobs"]
@@ -212,7 +218,7 @@ def parse_echo(payload, sent: str) -> EchoAnswer:
     if not 1 <= prompt_tokens <= len(tokens) <= prompt_tokens + 1:
         raise RemoteFailure(f"the echo answer covers {len(tokens)} tokens for {prompt_tokens} prompt tokens",
                             unsupported=True)
-    if not text.startswith(sent):
+    if isinstance(sent, str) and not text.startswith(sent):
         raise RemoteFailure("the echo answer's text does not start with the prompt sent", unsupported=True)
     ids = all(TOKEN_ID.fullmatch(t) for t in tokens)
     keys = [int(t[len("token_id:"):]) for t in tokens] if ids else list(tokens)
@@ -230,7 +236,7 @@ def parse_echo(payload, sent: str) -> EchoAnswer:
             key = int(key[len("token_id:"):])
         best.append(key)
     starts: list = []
-    if not ids:
+    if not ids and isinstance(sent, str):
         starts = _lay_tokens(tokens[:prompt_tokens], sent)
         offsets = logprobs.get("text_offset")
         if offsets is not None:
@@ -243,8 +249,10 @@ def parse_echo(payload, sent: str) -> EchoAnswer:
     generated = keys[prompt_tokens] if len(tokens) > prompt_tokens else None
     if not isinstance(completion_tokens, int):
         completion_tokens = 1
+    # A prompt of token ids echoes as the upstream decodes it: the generated text is not split off.
+    generated_text = text[len(sent):] if isinstance(sent, str) else ""
     return EchoAnswer(ids, keys, list(tokens), best, starts, prompt_tokens, completion_tokens, generated,
-                      text[len(sent):], finish)
+                      generated_text, finish)
 
 
 def _lay_tokens(strings: list[str], text: str) -> list:
@@ -332,6 +340,7 @@ class UpstreamState:
         self.upstream = upstream
         self.enabled = upstream.verify_predictions == "echo"  # "auto": once the probe says so
         self.token_ids: bool | None = None  # answers return_tokens_as_token_ids (None: not seen yet)
+        self.id_prompts: bool | None = None  # takes prompts of token ids (False: refused one)
         self.tokenizer = None
         self.eos_ids: frozenset[int] = frozenset()
         self.loading: asyncio.Task | None = None
@@ -425,7 +434,8 @@ class RemoteVerifier:
             await response.aclose()
         if response.status_code >= 400:
             detail = redactor.bytes(raw[:300]).decode("utf-8", "replace")
-            raise RemoteFailure(f"the upstream answered {response.status_code}: {detail}")
+            raise RemoteFailure(f"the upstream answered {response.status_code}: {detail}",
+                                status=response.status_code)
         try:
             payload = json.loads(raw)
         except ValueError:
@@ -452,6 +462,8 @@ class RemoteVerifier:
             return False  # logprobs, echo, penalties, tools...: forwarded as before
         if isinstance(parsed, ChatCompletionRequest) and not upstream.tokenizer:
             return False  # a chat prompt needs the model's template
+        if not isinstance(parsed, ChatCompletionRequest) and not isinstance(parsed.prompt, str):
+            return False  # a prompt of token ids: forwarded as sent
         return True
 
     # ---- one request ------------------------------------------------------------------------------
@@ -522,6 +534,7 @@ class Draft:
     text: str
     source: str
     expected: float | None = None  # the tokens its verify was expected to yield (None: not weighed)
+    ids: list[int] | None = None  # its token ids (sent as such when the upstream takes id prompts)
 
 
 class Session:
@@ -538,6 +551,9 @@ class Session:
         # Token ids when a local tokenizer can read them and the upstream has not been seen
         # ignoring return_tokens_as_token_ids.
         self.ids = self.tokenizer is not None and state.token_ids is not False
+        # ...and then prompts as token ids (the context exactly as decoded, never re-tokenised),
+        # unless the upstream has refused them.
+        self.id_prompts = self.ids and state.id_prompts is not False
         self.out = Output(self.tokenizer if self.ids else None, stop, max_tokens, eos_ids)
         self.prediction = PredictionSource(self.tokenizer or TextPieces(), prediction) if prediction else None
         self.want_lookup = lookup
@@ -610,13 +626,16 @@ class Session:
                     stop = index + length - head
                     end = starts[stop] if stop < len(starts) else len(source.text)
                 if end > source.cursor:
-                    return Draft(source.text[source.cursor:end], "prediction", expected)
+                    ids = source.propose(length) if self.id_prompts else None
+                    return Draft(source.text[source.cursor:end], "prediction", expected, ids)
         if self.lookup is not None:
             proposal = self.lookup.propose(limit)
             length, expected = (self._worth("prompt_lookup", len(proposal), None)
                                 if len(proposal) >= LOOKUP_MIN_DRAFT else (0, None))
             if length:
                 proposal = proposal[:length]
+                if self.id_prompts:
+                    return Draft("", "prompt_lookup", expected, list(proposal))
                 if self.ids:
                     text = self._decode_after((self.prompt_keys + self.out.keys)[-BOUNDARY_TOKENS:], proposal)
                 else:
@@ -649,6 +668,8 @@ class Session:
 
     async def _context_exact(self) -> bool:
         """Token ids: does ``prompt + output`` re-tokenise into the tokens actually chosen?"""
+        if self.id_prompts:
+            return True  # the context is sent as the very tokens chosen
         if not self.out.exact():
             return False
         if not self.ids:
@@ -658,6 +679,17 @@ class Session:
             return False
         self.checkpoint = (len(self.out.keys), len(self.out.raw))
         return True
+
+    def _check_id_prompts_refused(self, failure: RemoteFailure) -> None:
+        """A 4xx to the first prompt of token ids an upstream is sent: it does not take them.
+        The upstream gets text prompts from now on (re-tokenised context, checked)."""
+        if not (self.id_prompts and self.state.id_prompts is None and failure.status is not None
+                and 400 <= failure.status < 500):
+            return
+        self.state.id_prompts = self.id_prompts = False
+        failure.id_prompts_refused = True
+        log.warning("upstream %r: refused a prompt of token ids (%s); remote verification sends it text "
+                    "prompts", self.upstream.name, failure)
 
     def _fail(self, failure: RemoteFailure, what: str) -> None:
         self.failures += 1
@@ -695,7 +727,8 @@ class Session:
                     async for piece in self._plain(rejoin=False):
                         yield piece
                 except RemoteFailure as failure:
-                    self._fail(failure, "plain decoding")
+                    if not failure.id_prompts_refused:
+                        self._fail(failure, "plain decoding")
                 continue
             draft = self._propose()
             outcome = "boundary"
@@ -703,7 +736,8 @@ class Session:
                 try:
                     outcome = await self._verify(draft)
                 except RemoteFailure as failure:
-                    self._fail(failure, "verify")
+                    if not failure.id_prompts_refused:
+                        self._fail(failure, "verify")
                     continue
                 if piece := self.out.release():
                     yield piece
@@ -717,7 +751,8 @@ class Session:
                 async for piece in self._plain(rejoin=True):
                     yield piece
             except RemoteFailure as failure:
-                self._fail(failure, "plain decoding")
+                if not failure.id_prompts_refused:
+                    self._fail(failure, "plain decoding")
         if piece := self.out.release():
             yield piece
 
@@ -726,16 +761,25 @@ class Session:
         (nothing verifiable: decode plainly a little) or "inexact" (the context re-tokenises
         differently: the rest is plain decoding)."""
         out = self.out
-        sent = self.prompt + out.raw + (draft.text if draft else "")
+        sent: str | list[int]
+        if self.id_prompts:
+            sent = self.prompt_keys + out.keys + (draft.ids if draft else [])
+        else:
+            sent = self.prompt + out.raw + (draft.text if draft else "")
         body = {"model": self.model, "prompt": sent, "echo": True, "logprobs": 1, "max_tokens": 1,
                 "temperature": 0}
         if self.ids:
             body["return_tokens_as_token_ids"] = True
-        if self.special is not None:
+        if self.special is not None and not self.id_prompts:
             body["add_special_tokens"] = self.special
         self.requests += 1
         asked = time.perf_counter()
-        answer = parse_echo(await self.verifier.post_json(self.upstream, "/completions", body), sent)
+        try:
+            payload = await self.verifier.post_json(self.upstream, "/completions", body)
+        except RemoteFailure as failure:
+            self._check_id_prompts_refused(failure)
+            raise
+        answer = parse_echo(payload, sent)
         self.state.verify_cost.observe(answer.prompt_tokens, time.perf_counter() - asked)
         self.state.verify_measured = True
         self.prompt_tokens_sent += answer.prompt_tokens
@@ -745,6 +789,10 @@ class Session:
             raise RemoteFailure("the upstream ignores return_tokens_as_token_ids")
         if self.ids:
             self.state.token_ids = True
+        if self.id_prompts:
+            if answer.keys[:answer.prompt_tokens] != sent:
+                raise RemoteFailure("the echo answer's tokens are not the token ids sent")
+            self.state.id_prompts = True
         keys = answer.keys[:answer.prompt_tokens]
         if self.prompt_keys is None:  # text alignment: the prompt's tokens, from this answer
             starts = answer.starts
@@ -768,7 +816,8 @@ class Session:
         if not self.ids:
             self.checkpoint = (len(out.keys), len(out.raw))
         drafted = keys[len(context):]
-        if self.ids and draft is not None and self._decode_after(context[-BOUNDARY_TOKENS:], drafted) != draft.text:
+        if (self.ids and not self.id_prompts and draft is not None
+                and self._decode_after(context[-BOUNDARY_TOKENS:], drafted) != draft.text):
             raise RemoteFailure("the echo answer's tokens do not spell the draft sent")
         accepted, recovered, complete = 0, None, True
         for j in range(len(context), len(keys)):
@@ -826,7 +875,8 @@ class Session:
                 out.push(string, string)
                 return
         if answer.finish_reason == "stop" and not answer.generated_text:
-            out.push(None)  # the end-of-sequence token: counted, no text
+            if not self.ids:
+                out.push(None)  # the end-of-sequence token: counted, no text
             out.end("stop")
         elif answer.finish_reason == "length" and answer.completion_tokens == 0:
             out.end("length")  # no room left in the upstream's context
@@ -836,14 +886,18 @@ class Session:
         output rejoins the prediction), or, once verification is given up, from the last exact
         point to the end, replaying what was already sent."""
         out = self.out
-        start_tokens, start_chars = ((len(out.keys), len(out.raw)) if self.verifying else self.checkpoint)
+        # Prompts of token ids are exact wherever the output ends: nothing to replay.
+        start_tokens, start_chars = ((len(out.keys), len(out.raw)) if self.verifying or self.id_prompts
+                                     else self.checkpoint)
         replay = out.keys[start_tokens:]
-        body = {"model": self.model, "prompt": self.prompt + out.raw[:start_chars],
+        prompt = (self.prompt_keys + out.keys[:start_tokens] if self.id_prompts
+                  else self.prompt + out.raw[:start_chars])
+        body = {"model": self.model, "prompt": prompt,
                 "max_tokens": self.max_tokens - start_tokens, "temperature": 0, "stream": True,
                 "stream_options": {"include_usage": True}, "logprobs": 0}
         if self.ids:
             body["return_tokens_as_token_ids"] = True
-        if self.special is not None:
+        if self.special is not None and not self.id_prompts:
             body["add_special_tokens"] = self.special
         redactor = Redactor(self.verifier.settings.routes.keys())
         self.requests += 1
@@ -860,7 +914,10 @@ class Session:
         try:
             if response.status_code >= 400:
                 detail = redactor.bytes(await response.aread())[:300].decode("utf-8", "replace")
-                raise RemoteFailure(f"the upstream answered {response.status_code}: {detail}")
+                failure = RemoteFailure(f"the upstream answered {response.status_code}: {detail}",
+                                        status=response.status_code)
+                self._check_id_prompts_refused(failure)
+                raise failure
             async for event in _sse_events(response):
                 if not isinstance(event, dict) or "error" in event:
                     raise RemoteFailure("the upstream's stream carried an error: "
@@ -983,6 +1040,7 @@ class Session:
         report = {**stats.speculation_report(), "seed": None, "upstream_requests": self.requests,
                   "upstream_prompt_tokens": self.prompt_tokens_sent,
                   "remote_verification": {"alignment": "token_ids" if self.ids else "text",
+                                          "prompts": "token_ids" if self.id_prompts else "text",
                                           "fallback": self.fallback}}
         return usage, report
 

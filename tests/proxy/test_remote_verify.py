@@ -113,7 +113,18 @@ upstream = "up"
 upstream = "up-text"
 [models.tiny-measured]
 upstream = "up-measured"
+
+[upstreams.gate]
+base_url = "{stub.base_url}"
+verify_predictions = "echo"
+tokenizer = "{folder}"
+verify_always = true
+max_retries = 0
+timeout_seconds = 120
+[models.gate-tiny]
+upstream = "gate"
 """ + stub_routes)
+        stub.app.state.relay_base = f"http://127.0.0.1:{up_port}/v1"
         processes = [_start(folder, up_port, work / "up.log", "--served-model-name", "tiny",
                             "--config", str(work / "up.toml")),
                      _start(folder, proxy_port, work / "proxy.log", "--served-model-name", "proxy-local",
@@ -251,6 +262,29 @@ def test_tokenize_and_detokenize_round_trip(servers, tokenizer):
     assert post(servers["up"], "/tokenize", {"model": "nope", "prompt": "x"}).status_code == 404
 
 
+def test_a_prompt_of_token_ids_is_the_same_prompt(servers, tokenizer):
+    ids = tokenizer(PROMPT)["input_ids"]
+    body = {"model": "tiny", "max_tokens": 8, "temperature": 0}
+    as_text = complete(servers["up"], {**body, "prompt": PROMPT})["choices"][0]["text"]
+    as_ids = complete(servers["up"], {**body, "prompt": ids})
+    assert as_ids["choices"][0]["text"] == as_text and as_ids["usage"]["prompt_tokens"] == len(ids)
+    assert complete(servers["up"], {**body, "prompt": [ids]})["choices"][0]["text"] == as_text
+    # Echoed: the ids' decoded text (the BOS left out), each token's offset laid end to end.
+    echoed = complete(servers["up"], {**body, "prompt": ids, "echo": True, "logprobs": 1,
+                                      "return_tokens_as_token_ids": True})["choices"][0]
+    assert echoed["text"] == PROMPT + as_text
+    assert echoed["logprobs"]["tokens"][:len(ids)] == [f"token_id:{i}" for i in ids]
+    spans = tokenizer(PROMPT, return_offsets_mapping=True)["offset_mapping"]
+    assert echoed["logprobs"]["text_offset"][:len(ids)] == [start for start, _ in spans]
+    events, _ = stream(servers["up"], "/v1/completions", {**body, "prompt": ids, "echo": True})
+    assert "".join(e["choices"][0]["text"] for e in events if e.get("choices")) == PROMPT + as_text
+    # Used as sent: ids without a BOS get none added.
+    bare = complete(servers["up"], {**body, "prompt": ids[1:], "echo": True, "logprobs": 1, "max_tokens": 0})
+    assert bare["usage"]["prompt_tokens"] == len(ids) - 1 and bare["choices"][0]["text"] == PROMPT
+    refused = post(servers["up"], "/v1/completions", {**body, "prompt": [ids[0], len(tokenizer)]})
+    assert refused.status_code == 400 and refused.json()["error"]["param"] == "prompt.1"
+
+
 # ---- 2. remote verification against a foretell upstream -------------------------------------------
 
 def _edit(text: str) -> str:
@@ -295,7 +329,7 @@ def test_edits_equal_the_upstreams_own_greedy_text(servers, reference, streamed)
     assert (text, finish) == _own(servers, body)
     assert text == reference
     report = final["speculation"]
-    assert report["remote_verification"] == {"alignment": "token_ids", "fallback": None}
+    assert report["remote_verification"] == {"alignment": "token_ids", "prompts": "token_ids", "fallback": None}
     assert report["accepted_tokens"] >= N // 2 and report["per_source"]["prediction"]["accepted"] > 0
     # Three edits cost a few round trips, far fewer than one per token.
     assert 2 <= report["upstream_requests"] <= 12
@@ -320,6 +354,40 @@ def test_stop_and_max_tokens_inside_an_accepted_draft(servers, reference, stream
     assert (text, finish) == _own(servers, body) and finish == "length"
     assert final["usage"]["completion_tokens"] == 17
     assert final["speculation"]["upstream_requests"] == 1  # one verify: 16 accepted + the recovered/bonus
+
+
+@pytest.mark.parametrize("streamed", [False, True], ids=["json", "stream"])
+def test_output_that_does_not_retokenise_as_written_is_still_verified(servers, streamed):
+    # After a prompt ending in a space the model writes "▁word" tokens, whose text re-tokenises
+    # as "▁▁" + "word": sent as text, that context would end verification for the request; sent
+    # as token ids, it is exactly the upstream's own.
+    prompt = PROMPT + " "
+    own, _ = _own(servers, {"prompt": prompt, "max_tokens": N, "temperature": 0})
+    assert own.startswith(" ")
+    body = {"prompt": prompt, "max_tokens": N, "temperature": 0,
+            "prediction": {"type": "content", "content": _edit(own)}}
+    text, finish, final = _through(servers, "tiny", body, streamed)
+    assert (text, finish) == _own(servers, body)
+    report = final["speculation"]
+    assert report["remote_verification"] == {"alignment": "token_ids", "prompts": "token_ids", "fallback": None}
+    assert report["accepted_tokens"] >= N // 2
+
+
+def test_an_upstream_refusing_token_id_prompts_gets_text_prompts(servers, reference):
+    body = {"prompt": PROMPT, "max_tokens": N, "temperature": 0,
+            "prediction": {"type": "content", "content": _edit(reference)}}
+    received = len(servers["stub"].received)
+    text, finish, final = _through(servers, "gate-tiny", body, False)
+    assert (text, finish) == (reference, "length")
+    report = final["speculation"]
+    assert report["remote_verification"] == {"alignment": "token_ids", "prompts": "text", "fallback": None}
+    assert report["accepted_tokens"] >= N // 2
+    sent = [r["body"]["prompt"] for r in servers["stub"].received[received:]]
+    assert isinstance(sent[0], list) and all(isinstance(p, str) for p in sent[1:])  # refused once
+    assert "upstream 'gate': refused a prompt of token ids" in servers["proxy_log"].read_text()
+    text, _, final = _through(servers, "gate-tiny", body, True)  # later requests: text from the start
+    assert text == reference and final["speculation"]["remote_verification"]["prompts"] == "text"
+    assert all(isinstance(r["body"]["prompt"], str) for r in servers["stub"].received[received + len(sent):])
 
 
 def test_a_useless_prediction_is_still_exact(servers, reference):

@@ -13,7 +13,10 @@ words with their leading space; a ``<s>`` BOS starts every prompt and, as in vLL
 plain requests and plain streams. Misbehaving variants: "echo-shifted" (text_offset shifted by
 one from the middle), "echo-no-top" (no top_logprobs), "echo-500-mid" (every second echo
 request gets a 500: a request's first verify is answered, its second fails), "echo-drop" (echo answers break off mid-body), "echo-all-fail"
-(every echo request gets a 500 and every stream breaks off after two tokens)."""
+(every echo request gets a 500 and every stream breaks off after two tokens).
+
+Model names starting with "gate-" reach a real server (``app.state.relay_base``) through an
+upstream that refuses prompts of token ids."""
 
 from __future__ import annotations
 
@@ -25,6 +28,7 @@ import threading
 import time
 import zlib
 
+import httpx
 import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
@@ -50,6 +54,8 @@ def build_stub() -> tuple[FastAPI, list]:
             return misbehaving
         if model.startswith("echo-") and kind == "completion":
             return _echo_model(model, body, echo_calls)
+        if model.startswith("gate-") and kind == "completion":
+            return await _text_prompts_only(request.app.state.relay_base, body)
         if model.endswith("-500"):
             return JSONResponse({"error": {"message": "upstream exploded"}}, status_code=500)
         if model.endswith("-slow"):
@@ -128,6 +134,31 @@ def _misbehave(model: str, authorization: str):
             raise ConnectionAbortedError("the upstream died")
         return StreamingResponse(dying(), media_type="text/event-stream")
     return None
+
+
+# ---- an upstream that takes only text prompts ---------------------------------------------------------
+
+async def _text_prompts_only(base: str, body: dict):
+    """Refuse a prompt of token ids (400, as an OpenAI-compatible server without them would);
+    relay anything else to the real server at ``base`` (``app.state.relay_base``) as the model
+    named after "gate-", streams included."""
+    if isinstance(body.get("prompt"), list):
+        return JSONResponse({"error": {"message": "prompt must be a string", "type": "invalid_request_error",
+                                       "param": "prompt", "code": None}}, status_code=400)
+    client = httpx.AsyncClient(timeout=120)
+    response = await client.send(client.build_request(
+        "POST", base + "/completions", json={**body, "model": body["model"][len("gate-"):]}), stream=True)
+
+    async def relay():
+        try:
+            async for chunk in response.aiter_raw():
+                yield chunk
+        finally:
+            await response.aclose()
+            await client.aclose()
+
+    return StreamingResponse(relay(), status_code=response.status_code,
+                             media_type=response.headers.get("content-type"))
 
 
 # ---- the echo model ---------------------------------------------------------------------------------
