@@ -189,6 +189,7 @@ class EchoAnswer:
     best: list  # per token: the most likely key at that position (None where absent)
     starts: list  # text mode: each prompt token's start in the text sent (None: not laid)
     prompt_tokens: int
+    cached_tokens: int  # prompt tokens the upstream says it reused (its prefix cache)
     completion_tokens: int
     generated: object  # the generated token's key, or None
     generated_text: str
@@ -249,10 +250,13 @@ def parse_echo(payload, sent: str | list[int]) -> EchoAnswer:
     generated = keys[prompt_tokens] if len(tokens) > prompt_tokens else None
     if not isinstance(completion_tokens, int):
         completion_tokens = 1
+    details = payload["usage"].get("prompt_tokens_details")
+    cached = details.get("cached_tokens") if isinstance(details, dict) else None
+    cached = cached if isinstance(cached, int) and not isinstance(cached, bool) and 0 <= cached <= prompt_tokens else 0
     # A prompt of token ids echoes as the upstream decodes it: the generated text is not split off.
     generated_text = text[len(sent):] if isinstance(sent, str) else ""
-    return EchoAnswer(ids, keys, list(tokens), best, starts, prompt_tokens, completion_tokens, generated,
-                      generated_text, finish)
+    return EchoAnswer(ids, keys, list(tokens), best, starts, prompt_tokens, cached, completion_tokens,
+                      generated, generated_text, finish)
 
 
 def _lay_tokens(strings: list[str], text: str) -> list:
@@ -344,9 +348,13 @@ class UpstreamState:
         self.tokenizer = None
         self.eos_ids: frozenset[int] = frozenset()
         self.loading: asyncio.Task | None = None
-        # Measured costs: an echo request's seconds by its prompt tokens; a plain token's seconds.
+        # Measured costs: an echo request's seconds by its new prompt tokens (those the upstream
+        # did not say it reused); a plain token's seconds.
         self.verify_cost = OnlinePassCost(PassCostModel(fixed=PRIOR_VERIFY_FIXED_TOKENS, per_position=1 / PRIOR_PREFILL_RATIO))
         self.verify_measured = False
+        # The last echo answer reported reused prompt tokens: an upstream that caches prompt
+        # logprobs (foretell does; vLLM recomputes them) charges a verify for its new tokens only.
+        self.reuses_prompts = False
         self.plain_token_seconds: deque = deque(maxlen=64)
 
     def costs(self) -> tuple[PassCostModel, float] | None:
@@ -565,6 +573,7 @@ class Session:
         self.requests = 0
         self.prompt_tokens_sent = 0
         self.checkpoint = (0, 0)  # (tokens, characters) of output whose context is known exact
+        self.shared_with_last_verify = 0  # context tokens the last echo request already held
         self.verifying = True  # False once the rest is plain decoding
         self.failures = 0
         self.fallback: str | None = None  # why verification stopped, for the report
@@ -657,6 +666,8 @@ class Session:
             return available, None
         verify, plain = costs
         context = (len(self.prompt_keys) if self.prompt_keys is not None else len(self.prompt) // 4) + len(self.out.keys)
+        if self.state.reuses_prompts:  # charged for what the last verify did not already send
+            context -= min(context, self.shared_with_last_verify)
         acceptance, calibration = self.estimates[source].rate, self.calibration[source]
         best, best_rate, best_yield = 0, 1.0 / plain, None
         for length in candidate_lengths(available):
@@ -780,8 +791,9 @@ class Session:
             self._check_id_prompts_refused(failure)
             raise
         answer = parse_echo(payload, sent)
-        self.state.verify_cost.observe(answer.prompt_tokens, time.perf_counter() - asked)
+        self.state.verify_cost.observe(answer.prompt_tokens - answer.cached_tokens, time.perf_counter() - asked)
         self.state.verify_measured = True
+        self.state.reuses_prompts = answer.cached_tokens > 0
         self.prompt_tokens_sent += answer.prompt_tokens
         self.stats.target_passes += 1
         if self.ids and not answer.ids:
@@ -834,6 +846,7 @@ class Session:
         for j in range(len(context), len(context) + accepted):
             out.push(keys[j], answer.strings[j])
         kept_drafts = len(out.keys) - before
+        self.shared_with_last_verify = len(context) + kept_drafts
         if not out.finished:
             if recovered is not None:
                 if self.ids or _trusted(recovered):

@@ -468,6 +468,25 @@ def test_the_cost_policy_chooses_plain_decoding_when_prefill_is_dear():
     assert session._worth("prediction", 64, 8.0)[0] > 0
 
 
+def test_an_upstream_reusing_prompts_is_charged_for_new_tokens_only():
+    from foretell.proxy.server.remote_verify import Session, UpstreamState
+    from foretell.proxy.server.upstream import Upstream
+
+    state = UpstreamState(Upstream(name="u", base_url="http://127.0.0.1:9/v1", verify_predictions="echo"))
+    session = Session(None, state, "m", "x" * 2000, None, 200, (), "y" * 400, False, 128, "req", None, frozenset())
+    session.tried_prediction = True
+    for new_tokens, seconds in [(500, 2.0), (500, 2.0), (20, 0.3), (20, 0.3)]:
+        state.verify_cost.observe(new_tokens, seconds)
+    state.verify_measured = True
+    state.plain_token_seconds.extend([0.1, 0.1, 0.1])
+    assert session._worth("prediction", 64, 40.0)[0] == 0  # the whole ~500-token context re-sent: plain wins
+    session.shared_with_last_verify = 500  # the last verify held this context...
+    assert session._worth("prediction", 64, 40.0)[0] == 0  # ...but the upstream has not said it reuses it
+    state.reuses_prompts = True
+    length, expected = session._worth("prediction", 64, 40.0)
+    assert length > 0 and expected > 1  # only the draft is new: a verify pays
+
+
 def test_requests_that_are_not_greedy_are_forwarded(servers):
     response = post(servers["proxy"], "/v1/completions", {
         "model": "tiny", "prompt": PROMPT, "max_tokens": 4,
