@@ -205,6 +205,10 @@ def create_app(settings: ServerSettings, load_local=None) -> FastAPI:
         route = settings.routes.route_for(parsed.model, local_names)
         note(request.scope, model=parsed.model)
         if route is None:
+            if local is None and not state["load_error"]:
+                # The local model's name is known once it has loaded: it may be this one.
+                raise APIError(503, "the model is still loading", type="server_error", code="model_loading",
+                               headers={"Retry-After": "5"})
             raise APIError(404, f"model {parsed.model!r} does not exist", param="model",
                            code="model_not_found")
         note(request.scope, route="local" if route.local else route.upstream)

@@ -77,7 +77,7 @@ fallback = "stub"
          "--max-prediction-chars", "5000", "--log-level", "warning"],  # the pipe is read only on failure
         env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     base = f"http://127.0.0.1:{port}"
-    saw_loading = False
+    saw_loading, loading_answer = False, None
     deadline = time.time() + 180
     while True:
         if process.poll() is not None:
@@ -87,13 +87,19 @@ fallback = "stub"
             if status == 200:
                 break
             saw_loading |= status == 503
+            if status == 503 and loading_answer is None:  # meanwhile, a model name not configured
+                answer = httpx.post(base + "/v1/completions", json={"model": "maybe-local", "prompt": "x",
+                                                                    "max_tokens": 1},
+                                    headers={"authorization": f"Bearer {API_KEY}"}, timeout=10)
+                loading_answer = (answer.status_code, (answer.json().get("error") or {}).get("code"),
+                                  answer.headers.get("retry-after"))
         except httpx.TransportError:
             pass
         if time.time() > deadline:
             process.kill()
             raise RuntimeError("foretell serve did not become healthy")
         time.sleep(0.1)
-    yield {"base": base, "saw_loading": saw_loading}
+    yield {"base": base, "saw_loading": saw_loading, "loading_answer": loading_answer}
     process.terminate()
     process.wait(timeout=20)
 
@@ -127,6 +133,13 @@ def raw(server, path, body=None, *, content=None, key=API_KEY, method="POST"):
 def test_health_answers_503_while_loading_then_200(server):
     assert server["saw_loading"], "the port should open before the model is loaded"
     assert httpx.get(server["base"] + "/health").status_code == 200
+
+
+def test_a_model_name_asked_for_while_loading_is_told_to_retry(server):
+    # Not "model does not exist": the local model's own name is known only once it has loaded.
+    assert server["loading_answer"] == (503, "model_loading", "5")
+    missing = raw(server, "/v1/completions", {"model": "maybe-local", "prompt": "x", "max_tokens": 1})
+    assert missing.status_code == 404 and missing.json()["error"]["code"] == "model_not_found"
 
 
 def test_models_lists_the_local_model(client):
