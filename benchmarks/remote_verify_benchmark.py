@@ -150,11 +150,14 @@ def run(args, files, tokenizer, up_base: str, proxy_base: str) -> int:
     for index, (name, before) in enumerate(files):
         after = edit(before)
         prompt = copy_prompt(name, after)
-        prompt_tokens = len(tokenizer(prompt)["input_ids"])
-        # The upstream's own rates on this prompt: prefill alone, prefill with prompt logprobs.
-        _, prefill = request(up_base, {"model": "remote-plain", "prompt": prompt, "max_tokens": 1, "temperature": 0})
-        _, echo = request(up_base, {"model": "remote-plain", "prompt": prompt, "max_tokens": 1, "temperature": 0,
-                                    "echo": True, "logprobs": 1})
+        # The upstream's own rates on a prompt of this size: prefill alone, prefill with prompt
+        # logprobs. Measured on a copy that shares no prefix with the prompt, so that neither
+        # timed run finds its KV or its prompt logprobs already cached by these requests.
+        timing = f"# timing {index}\n" + prompt
+        prompt_tokens = len(tokenizer(timing)["input_ids"])
+        _, prefill = request(up_base, {"model": "remote-plain", "prompt": timing, "max_tokens": 1, "temperature": 0})
+        _, echo = request(up_base, {"model": "remote-plain", "prompt": timing, "max_tokens": 1,
+                                    "temperature": 0, "echo": True, "logprobs": 1})
         reference = None
         for mode, model in (("plain forwarding", "remote-plain"), ("remote verification", "remote-verify")):
             body = {"model": model, "prompt": prompt, "max_tokens": args.output_tokens, "temperature": 0,
