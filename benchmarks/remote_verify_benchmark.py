@@ -14,8 +14,12 @@ tokens/s, requests the proxy made upstream, prompt tokens it sent upstream, and 
 equals plain forwarding's. A second table gives the upstream's own rates on this machine: prefill
 (a 1-token request), prefill with prompt logprobs (an echo request) and decoding.
 
+Each prompt is cold by default: neither mode finds it cached upstream (the rates are measured on
+a copy that shares no prefix with it). ``--warm`` scores it first, as when the same file was
+edited a moment before.
+
     python benchmarks/remote_verify_benchmark.py [--files 3] [--min-tokens 150] [--max-tokens 300]
-        [--output-tokens 150]
+        [--output-tokens 150] [--warm]
 """
 
 from __future__ import annotations
@@ -86,6 +90,10 @@ def main() -> int:
     parser.add_argument("--min-tokens", type=int, default=150, help="smallest file kept, in tokens")
     parser.add_argument("--max-tokens", type=int, default=300, help="files are cut to this many tokens")
     parser.add_argument("--output-tokens", type=int, default=150, help="max_tokens of each request")
+    parser.add_argument("--warm", action="store_true",
+                        help="score each prompt on the upstream before the timed runs (an echo with prompt "
+                             "logprobs), as when the same file was edited before: both modes find its KV "
+                             "cached, and remote verification its prompt logprobs")
     args = parser.parse_args()
 
     from transformers import AutoTokenizer
@@ -158,6 +166,9 @@ def run(args, files, tokenizer, up_base: str, proxy_base: str) -> int:
         _, prefill = request(up_base, {"model": "remote-plain", "prompt": timing, "max_tokens": 1, "temperature": 0})
         _, echo = request(up_base, {"model": "remote-plain", "prompt": timing, "max_tokens": 1,
                                     "temperature": 0, "echo": True, "logprobs": 1})
+        if args.warm:
+            request(up_base, {"model": "remote-plain", "prompt": prompt, "max_tokens": 1, "temperature": 0,
+                              "echo": True, "logprobs": 1})
         reference = None
         for mode, model in (("plain forwarding", "remote-plain"), ("remote verification", "remote-verify")):
             body = {"model": model, "prompt": prompt, "max_tokens": args.output_tokens, "temperature": 0,
