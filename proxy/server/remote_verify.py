@@ -692,9 +692,9 @@ class Session:
         return True
 
     def _check_id_prompts_refused(self, failure: RemoteFailure) -> None:
-        """A 4xx to the first prompt of token ids an upstream is sent: it does not take them.
-        The upstream gets text prompts from now on (re-tokenised context, checked)."""
-        if not (self.id_prompts and self.state.id_prompts is None and failure.status is not None
+        """A 4xx to a prompt of token ids before the upstream has ever taken one: it does not take
+        them. It gets text prompts from now on (re-tokenised context, checked)."""
+        if not (self.id_prompts and self.state.id_prompts is not True and failure.status is not None
                 and 400 <= failure.status < 500):
             return
         self.state.id_prompts = self.id_prompts = False
