@@ -487,6 +487,15 @@ def test_an_upstream_reusing_prompts_is_charged_for_new_tokens_only():
     assert length > 0 and expected > 1  # only the draft is new: a verify pays
 
 
+def test_a_prompt_of_token_ids_is_forwarded_as_sent(servers, tokenizer):
+    ids = tokenizer(PROMPT)["input_ids"]
+    body = {"model": "tiny", "prompt": ids, "max_tokens": 6, "temperature": 0}
+    response = post(servers["proxy"], "/v1/completions", {**body, "prediction": {"type": "content",
+                                                                                 "content": "anything"}})
+    assert response.status_code == 200 and "prediction dropped" in response.headers["x-foretell-note"]
+    assert response.json()["choices"][0]["text"] == complete(servers["up"], body)["choices"][0]["text"]
+
+
 def test_requests_that_are_not_greedy_are_forwarded(servers):
     response = post(servers["proxy"], "/v1/completions", {
         "model": "tiny", "prompt": PROMPT, "max_tokens": 4,
