@@ -33,6 +33,10 @@ from foretell.sdk.types import ChatCompletion, ChatCompletionChunk, Completion, 
 if TYPE_CHECKING:
     from foretell.sdk.client import AsyncClient, Client
 
+# A completion prompt, as OpenAI's legacy API takes it: text or token ids (one prompt per request
+# on foretell).
+PromptInput = str | list[str] | list[int] | list[list[int]]
+
 CHAT_PARAMS = frozenset({
     "audio", "frequency_penalty", "function_call", "functions", "logit_bias", "logprobs",
     "max_completion_tokens", "max_tokens", "metadata", "modalities", "n", "parallel_tool_calls",
@@ -197,7 +201,7 @@ class ChatCompletions(_SyncResource):
 
 
 class Completions(_SyncResource):
-    def create(self, *, model: str, prompt: str | list[str], prediction: PredictionInput = None,
+    def create(self, *, model: str, prompt: PromptInput, prediction: PredictionInput = None,
                prompt_lookup: bool | None = None, max_draft: int | None = None, stream: bool = False,
                extra_body: dict | None = None, extra_headers: dict | None = None, timeout: Any = None,
                deadline: float | None = None, **params: Any) -> Completion | Stream[Completion]:
@@ -238,7 +242,7 @@ class AsyncChatCompletions(_AsyncResource):
 
 
 class AsyncCompletions(_AsyncResource):
-    async def create(self, *, model: str, prompt: str | list[str], prediction: PredictionInput = None,
+    async def create(self, *, model: str, prompt: PromptInput, prediction: PredictionInput = None,
                      prompt_lookup: bool | None = None, max_draft: int | None = None,
                      stream: bool = False, extra_body: dict | None = None,
                      extra_headers: dict | None = None, timeout: Any = None,
