@@ -18,8 +18,11 @@ Each prompt is cold by default: neither mode finds it cached upstream (the rates
 a copy that shares no prefix with it). ``--warm`` scores it first, as when the same file was
 edited a moment before.
 
+``--upstream URL`` runs the same against a server already running (vLLM serving the embedded
+model's folder under both names) instead of a second ``foretell serve``.
+
     python benchmarks/remote_verify_benchmark.py [--files 3] [--min-tokens 150] [--max-tokens 300]
-        [--output-tokens 150] [--warm]
+        [--output-tokens 150] [--warm] [--upstream URL]
 """
 
 from __future__ import annotations
@@ -94,6 +97,11 @@ def main() -> int:
                         help="score each prompt on the upstream before the timed runs (an echo with prompt "
                              "logprobs), as when the same file was edited before: both modes find its KV "
                              "cached, and remote verification its prompt logprobs")
+    parser.add_argument("--upstream", metavar="URL",
+                        help="an upstream already running (e.g. http://127.0.0.1:8000 for vLLM) instead of a "
+                             "second foretell serve; it must serve the embedded model under the names "
+                             "remote-plain and remote-verify (vllm serve FOLDER --served-model-name "
+                             "remote-plain remote-verify)")
     args = parser.parse_args()
 
     from transformers import AutoTokenizer
@@ -113,14 +121,15 @@ def main() -> int:
 
     work = Path(tempfile.mkdtemp(prefix="foretell-remote-bench-"))
     up_port, proxy_port = free_port(), free_port()
+    up_base = args.upstream.rstrip("/").removesuffix("/v1") if args.upstream else f"http://127.0.0.1:{up_port}"
     (work / "up.toml").write_text("[models.remote-plain]\nlocal = true\n[models.remote-verify]\nlocal = true\n")
     (work / "proxy.toml").write_text(f"""
 [upstreams.plain]
-base_url = "http://127.0.0.1:{up_port}/v1"
+base_url = "{up_base}/v1"
 timeout_seconds = 1800
 
 [upstreams.verify]
-base_url = "http://127.0.0.1:{up_port}/v1"
+base_url = "{up_base}/v1"
 verify_predictions = "echo"
 tokenizer = "gemma-3-270m"
 timeout_seconds = 1800
@@ -130,14 +139,15 @@ upstream = "plain"
 [models.remote-verify]
 upstream = "verify"
 """)
-    up_base, proxy_base = f"http://127.0.0.1:{up_port}", f"http://127.0.0.1:{proxy_port}"
-    log(f"starting the upstream and the proxy (logs in {work})")
-    processes = [start(up_port, work / "up.log", "--config", str(work / "up.toml")),
-                 start(proxy_port, work / "proxy.log", "--config", str(work / "proxy.toml"),
-                       "--served-model-name", "proxy-local", "--no-calibrate")]
+    proxy_base = f"http://127.0.0.1:{proxy_port}"
+    log(f"starting {'the proxy' if args.upstream else 'the upstream and the proxy'} (logs in {work})")
+    processes = [] if args.upstream else [start(up_port, work / "up.log", "--config", str(work / "up.toml"))]
+    processes.append(start(proxy_port, work / "proxy.log", "--config", str(work / "proxy.toml"),
+                           "--served-model-name", "proxy-local", "--no-calibrate"))
     try:
-        wait_healthy(up_base, processes[0], work / "up.log")
-        wait_healthy(proxy_base, processes[1], work / "proxy.log")
+        if not args.upstream:
+            wait_healthy(up_base, processes[0], work / "up.log")
+        wait_healthy(proxy_base, processes[-1], work / "proxy.log")
         return run(args, files, tokenizer, up_base, proxy_base)
     finally:
         for process in processes:
