@@ -136,8 +136,9 @@ upstream = "checked"
                 same = (text, finish) == expected
                 differences += not same
                 verification = report.get("remote_verification") or {}
+                accepted, requests = report.get("accepted_tokens"), report.get("upstream_requests")
                 print(f"{name:26s} {'stream' if stream else 'json':6s} {'same' if same else 'DIFFERS':7s} "
-                      f"accepted {report.get('accepted_tokens')!s:>3s}  requests {report.get('upstream_requests')!s:>2s}"
+                      f"accepted {accepted!s:>3s}  requests {requests!s:>2s}"
                       f"  prompts {verification.get('prompts')}  fallback {verification.get('fallback')}")
         print(f"\n{differences} of {2 * len(cases(reference))} answers differ from the upstream's own")
         return 1 if differences else 0
