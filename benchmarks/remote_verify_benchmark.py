@@ -122,7 +122,6 @@ def main() -> int:
     work = Path(tempfile.mkdtemp(prefix="foretell-remote-bench-"))
     up_port, proxy_port = free_port(), free_port()
     up_base = args.upstream.rstrip("/").removesuffix("/v1") if args.upstream else f"http://127.0.0.1:{up_port}"
-    (work / "up.toml").write_text("[models.remote-plain]\nlocal = true\n[models.remote-verify]\nlocal = true\n")
     (work / "proxy.toml").write_text(f"""
 [upstreams.plain]
 base_url = "{up_base}/v1"
@@ -141,7 +140,10 @@ upstream = "verify"
 """)
     proxy_base = f"http://127.0.0.1:{proxy_port}"
     log(f"starting {'the proxy' if args.upstream else 'the upstream and the proxy'} (logs in {work})")
-    processes = [] if args.upstream else [start(up_port, work / "up.log", "--config", str(work / "up.toml"))]
+    processes = []
+    if not args.upstream:
+        (work / "up.toml").write_text("[models.remote-plain]\nlocal = true\n[models.remote-verify]\nlocal = true\n")
+        processes.append(start(up_port, work / "up.log", "--config", str(work / "up.toml")))
     processes.append(start(proxy_port, work / "proxy.log", "--config", str(work / "proxy.toml"),
                            "--served-model-name", "proxy-local", "--no-calibrate"))
     try:

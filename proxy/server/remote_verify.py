@@ -703,6 +703,8 @@ class Session:
                     "prompts", self.upstream.name, failure)
 
     def _fail(self, failure: RemoteFailure, what: str) -> None:
+        if failure.id_prompts_refused:
+            return  # not a failure: the loop goes on with text prompts
         self.failures += 1
         log.warning("%s: remote verification on upstream %r: %s failed: %s%s", self.request_id,
                     self.upstream.name, what, failure,
@@ -738,8 +740,7 @@ class Session:
                     async for piece in self._plain(rejoin=False):
                         yield piece
                 except RemoteFailure as failure:
-                    if not failure.id_prompts_refused:
-                        self._fail(failure, "plain decoding")
+                    self._fail(failure, "plain decoding")
                 continue
             draft = self._propose()
             outcome = "boundary"
@@ -747,8 +748,7 @@ class Session:
                 try:
                     outcome = await self._verify(draft)
                 except RemoteFailure as failure:
-                    if not failure.id_prompts_refused:
-                        self._fail(failure, "verify")
+                    self._fail(failure, "verify")
                     continue
                 if piece := self.out.release():
                     yield piece
@@ -762,8 +762,7 @@ class Session:
                 async for piece in self._plain(rejoin=True):
                     yield piece
             except RemoteFailure as failure:
-                if not failure.id_prompts_refused:
-                    self._fail(failure, "plain decoding")
+                self._fail(failure, "plain decoding")
         if piece := self.out.release():
             yield piece
 
