@@ -77,6 +77,53 @@ def _log_format(value: str) -> str:
     return fmt
 
 
+# The names proxy/engine/precision.py takes (kept here so that parsing imports no torch;
+# tests/test_cli.py checks that the two agree).
+DTYPE_CHOICES = ("auto", "float32", "bfloat16", "float16")
+QUANTIZE_CHOICES = ("none", "int8", "int4")
+
+
+def _choice(choices: tuple[str, ...]) -> Callable[[str], str]:
+    def convert(value: str) -> str:
+        name = value.strip().lower()
+        if name not in choices:
+            raise argparse.ArgumentTypeError(f"must be {', '.join(choices[:-1])} or {choices[-1]}, got {value}")
+        return name
+    return convert
+
+
+def _switch(value: str) -> bool:
+    name = value.strip().lower()
+    if name not in ("1", "0", "true", "false", "on", "off", "yes", "no"):
+        raise argparse.ArgumentTypeError(f"must be 1 or 0 (on or off), got {value}")
+    return name in ("1", "true", "on", "yes")
+
+
+def _add_precision_options(command: argparse.ArgumentParser) -> None:
+    """--dtype, --fp32-head / --no-fp32-head and --quantize, the same on generate and serve."""
+    command.add_argument("--dtype", type=_choice(DTYPE_CHOICES),
+                         default=_FromEnv("FORETELL_DTYPE", "auto", _choice(DTYPE_CHOICES)),
+                         help="weights' dtype: auto (default: bfloat16 on CUDA and on a CPU with "
+                              "native bf16, else float32), float32 (text identical to plain greedy "
+                              "decoding), bfloat16 or float16 (identical to this engine's own plain "
+                              "decoding except at near ties; see the README) (env: FORETELL_DTYPE)")
+    head = command.add_mutually_exclusive_group()
+    head.add_argument("--fp32-head", dest="fp32_head", action="store_true",
+                      default=_FromEnv("FORETELL_FP32_HEAD", None, _switch),
+                      help="score each row's leading tokens in float32 over a bf16/fp16 head, so "
+                           "that rounding does not tie them (default: on for bf16/fp16 without "
+                           "--quantize; with --quantize it keeps the head unquantized) "
+                           "(env: FORETELL_FP32_HEAD=1 or 0)")
+    head.add_argument("--no-fp32-head", dest="fp32_head", action="store_false",
+                      help="take the logits at the head's own precision")
+    command.add_argument("--quantize", type=_choice(QUANTIZE_CHOICES),
+                         default=_FromEnv("FORETELL_QUANTIZE", "none", _choice(QUANTIZE_CHOICES)),
+                         help="weight-only quantization of the linear layers: none (default), int8 "
+                              "(PyTorch's int8 weight-only kernel) or int4 (torchao, groups of 128); "
+                              "faster plain decoding, text identical to the same mode's own plain "
+                              "decoding except at near ties (env: FORETELL_QUANTIZE)")
+
+
 def _seconds(value: str) -> float:
     number = float(value)
     if not number > 0:
@@ -191,6 +238,7 @@ def build_parser() -> argparse.ArgumentParser:
                                "is a terminal and NO_COLOR is unset)")
     generate.add_argument("--json-stats", action="store_true",
                           help="print the statistics to stderr as one JSON object")
+    _add_precision_options(generate)
 
     env = os.environ.get
     serve = commands.add_parser(
@@ -259,6 +307,7 @@ def build_parser() -> argparse.ArgumentParser:
                        default=_FromEnv("FORETELL_DEFAULT_MAX_TOKENS", 512, _positive_int),
                        help="chat max_tokens when the request sets none (default: 512; completions "
                             "default to 16 as OpenAI's) (env: FORETELL_DEFAULT_MAX_TOKENS)")
+    _add_precision_options(serve)
     serve.add_argument("--no-calibrate", action="store_true",
                        default=env("FORETELL_NO_CALIBRATE", "") not in ("", "0"),
                        help="skip measuring the pass cost at start-up (env: FORETELL_NO_CALIBRATE=1)")
@@ -353,10 +402,11 @@ def run_generate(args: argparse.Namespace) -> int:
         from foretell.proxy.engine.model_loader import load_model
 
     try:
-        loaded = load_model(args.model)
+        loaded = load_model(args.model, dtype=args.dtype, quantize=args.quantize, fp32_head=args.fp32_head)
     except (ValueError, RuntimeError, OSError) as error:
         raise SystemExit(f"foretell: cannot load model: {error}") from None
-    engine = SpeculativeEngine(loaded.model, loaded.tokenizer)
+    engine = SpeculativeEngine(loaded.model, loaded.tokenizer, fp32_head=args.fp32_head)
+    print(f"foretell: precision {engine.precision}", file=sys.stderr)
     if not args.no_calibrate:
         from foretell.proxy.engine.calibration_cache import calibrate_with_cache
 
@@ -424,7 +474,8 @@ def run_serve(args: argparse.Namespace) -> int:
         max_running=args.max_running, kv_cache_tokens=args.kv_cache_tokens,
         prefill_chunk=args.prefill_chunk, host=args.host,
         allowed_hosts=tuple(h.strip() for h in args.allowed_hosts.split(",") if h.strip()),
-        metrics_public=args.metrics_public,
+        metrics_public=args.metrics_public, dtype=args.dtype, quantize=args.quantize,
+        fp32_head=args.fp32_head,
     )
     import logging
 

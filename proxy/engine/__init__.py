@@ -5,7 +5,11 @@ Sequences (``sequence.py``), the batched step (``engine.py``), the paged KV cach
 to draft, sampling, detokenisation. It never imports the HTTP server.
 """
 
-from foretell.proxy.engine.engine import (
+from foretell.proxy.engine.precision import import_torchao_quietly
+
+import_torchao_quietly()  # before transformers imports it, loudly
+
+from foretell.proxy.engine.engine import (  # noqa: E402
     CacheFullError,
     GenerationRequest,
     GenerationResult,

@@ -77,7 +77,7 @@ def key_parts(engine, model_folder) -> dict:
         "threads": torch.get_num_threads(),
         "torch": torch.__version__,
         "device": device_name,
-        "dtype": str(next(engine.model.parameters()).dtype),
+        "precision": engine.precision,
         "model": model_identity(model_folder),
     }
 

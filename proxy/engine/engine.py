@@ -41,6 +41,7 @@ from foretell.proxy.engine.draft_length import (
     choose_step_drafts,
 )
 from foretell.proxy.engine.kv_cache import FULL, SLIDING, CacheFullError, PagedKVCache, SequenceBlocks
+from foretell.proxy.engine.precision import default_fp32_head, describe, rescore_in_fp32
 from foretell.proxy.engine.prompt_logprob_cache import PromptLogprobCache
 from foretell.proxy.engine.sampling import SpeculativeSampler
 from foretell.proxy.engine.sequence import (
@@ -83,10 +84,23 @@ class SpeculativeEngine:
     def __init__(self, model, tokenizer, pass_cost: PassCostModel | None = None, *,
                  kv_cache_tokens: int = DEFAULT_KV_CACHE_TOKENS, block_size: int = 16,
                  prefill_chunk: int = DEFAULT_PREFILL_CHUNK, max_sequences: int = 16,
-                 max_draft_positions: int = DEFAULT_MAX_DRAFT_POSITIONS):
+                 max_draft_positions: int = DEFAULT_MAX_DRAFT_POSITIONS,
+                 dtype: torch.dtype | None = None, fp32_head: bool | None = None):
+        """``dtype`` casts ``model`` in place (None: as loaded, see ``model_loader.load_model``
+        for --dtype and --quantize); ``fp32_head`` scores each row's leading tokens in float32
+        over a bf16/fp16 head (None: on for such a head, ``precision.default_fp32_head``)."""
         if prefill_chunk < 1 or kv_cache_tokens < block_size:
             raise ValueError("prefill_chunk must be >= 1 and kv_cache_tokens >= block_size")
+        if dtype is not None:
+            model.to(dtype)
         self.model = model
+        self.dtype = model.get_input_embeddings().weight.dtype
+        self.quantization = getattr(model, "foretell_quantization", "none")
+        if fp32_head is None:
+            fp32_head = default_fp32_head(self.dtype, self.quantization)
+        elif fp32_head and _head_is_quantized(model):
+            raise ValueError("the fp32 head needs an unquantized output head (quantize with keep_head)")
+        self.fp32_head = fp32_head and self.dtype != torch.float32
         self.tokenizer = tokenizer
         self.device = next(model.parameters()).device
         self.prefill_chunk = prefill_chunk
@@ -103,6 +117,11 @@ class SpeculativeEngine:
                              max_sequences * (window + prefill_chunk + max_draft_positions + 4 * block_size))
         self.cache = PagedKVCache(model, kv_cache_tokens, block_size, sliding_tokens=sliding_tokens)
         self.prompt_logprob_cache = PromptLogprobCache(max_positions=kv_cache_tokens)
+
+    @property
+    def precision(self) -> str:
+        """The precision the engine runs at, e.g. ``bfloat16+fp32-head`` (``precision.describe``)."""
+        return describe(self.dtype, self.quantization, self.fp32_head)
 
     @property
     def pass_cost(self) -> PassCostModel:
@@ -254,7 +273,7 @@ class SpeculativeEngine:
             ids.extend(tokens)
             positions.extend(range(blocks.committed, blocks.committed + len(tokens)))
         self.cache.plan([(blocks, len(tokens)) for blocks, tokens, _ in feeds])
-        with self.cache.attached(self.model), _vocabulary_major_output_head(self.model):
+        with self.cache.attached(self.model), _output_head(self.model, self.fp32_head):
             out = self.model(
                 input_ids=torch.tensor([ids], device=self.device),  # [1, T]
                 position_ids=torch.tensor([positions], device=self.device),  # [1, T]
@@ -347,29 +366,46 @@ class SpeculativeEngine:
         return measured
 
 
-@contextlib.contextmanager
-def _vocabulary_major_output_head(model):
-    """Compute the output head as ``weight @ hidden.T`` during one pass.
-
-    With a 262k vocabulary the head is most of a pass on a CPU, and for a few rows (a batch of
-    decoding sequences, a short draft) the BLAS library's kernel for ``hidden @ weight.T`` is up
-    to twice as slow as the same product taken vocabulary-major (``benchmarks/pass_cost.py``);
-    from a few dozen rows on the two are alike, and the usual kernel is kept. One row gives the
-    same floats either way; a few rows may differ in the last bits, as any change of batch shape
-    does."""
+def _head_is_quantized(model) -> bool:
     head = model.get_output_embeddings()
-    if type(head) is not torch.nn.Linear:
+    return head is not None and not (type(head) is torch.nn.Linear
+                                     and type(head.weight) is torch.nn.Parameter)
+
+
+@contextlib.contextmanager
+def _output_head(model, fp32_head: bool):
+    """Compute the output head for one pass, always returning float32 logits.
+
+    - fp32 weights, a few rows: the product is taken vocabulary-major (``weight @ hidden.T``).
+      With a 262k vocabulary the head is most of a pass on a CPU, and for a few rows (a batch
+      of decoding sequences, a short draft) the BLAS library's kernel for ``hidden @ weight.T``
+      is up to twice as slow as the same product taken vocabulary-major
+      (``benchmarks/pass_cost.py``); from a few dozen rows on the two are alike, and the usual
+      kernel is kept. One row gives the same floats either way; a few rows may differ in the
+      last bits, as any change of batch shape does. (In bf16 the usual kernel is faster.)
+    - bf16/fp16 weights with ``fp32_head``: the head runs at the weights' precision and the
+      tokens that could win each row are scored again in float32 (``rescore_in_fp32``).
+    - anything else (a quantized head): the head's own forward, upcast."""
+    head = model.get_output_embeddings()
+    if head is None:
         yield
         return
+    plain = not _head_is_quantized(model)
+    dtype = head.weight.dtype if plain else None
 
     def forward(hidden: torch.Tensor) -> torch.Tensor:  # [..., d] -> [..., V]
+        if not plain:
+            return type(head).forward(head, hidden).float()
         rows = hidden.reshape(-1, hidden.shape[-1])  # [n, d]
-        if not 1 < rows.shape[0] <= VOCABULARY_MAJOR_MAX_ROWS:
-            return F.linear(hidden, head.weight, head.bias)
-        logits = (head.weight @ rows.t()).t().contiguous()  # [V, n] -> [n, V]
-        if head.bias is not None:
-            logits = logits + head.bias
-        return logits.reshape(*hidden.shape[:-1], logits.shape[-1])
+        if dtype == torch.float32 and 1 < rows.shape[0] <= VOCABULARY_MAJOR_MAX_ROWS:
+            logits = (head.weight @ rows.t()).t().contiguous()  # [V, n] -> [n, V]
+            if head.bias is not None:
+                logits = logits + head.bias
+        else:
+            logits = F.linear(rows, head.weight, head.bias)  # [n, V]
+            if fp32_head and dtype in (torch.bfloat16, torch.float16):
+                logits = rescore_in_fp32(rows, head.weight, head.bias, logits)
+        return logits.float().reshape(*hidden.shape[:-1], logits.shape[-1])
 
     head.forward = forward
     try:

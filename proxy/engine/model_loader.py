@@ -187,18 +187,33 @@ def resolve_model_folder(model: str | None) -> tuple[str, Path]:
     )
 
 
-def load_model(model: str | None = None, device: str | None = None, dtype=None) -> LoadedModel:
-    """Load the target model and tokenizer (converting and caching a GGUF file on first use)."""
+def load_model(model: str | None = None, device: str | None = None, dtype=None,
+               quantize: str = "none", fp32_head: bool | None = None) -> LoadedModel:
+    """Load the target model and tokenizer (converting and caching a GGUF file on first use).
+
+    ``dtype``: a torch dtype or a ``--dtype`` name; None is float32 (the exact mode), ``"auto"``
+    chooses for the device (``precision.resolve_dtype``). A GGUF file is converted once to a
+    float32 cache and cast on loading, so every dtype shares one conversion. ``quantize``:
+    ``none``, ``int8`` or ``int4`` weight-only; the output head is quantized too unless
+    ``fp32_head`` asks for an fp32 head (which needs the head's own weights)."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from foretell.proxy.engine.precision import QUANTIZE_CHOICES, describe, quantize_weights, resolve_dtype
+
+    if quantize not in QUANTIZE_CHOICES:
+        raise ValueError(f"quantize must be one of {', '.join(QUANTIZE_CHOICES)}; got {quantize!r}")
     name, folder = resolve_model_folder(model)
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    if dtype is None:
+        dtype = torch.float32
+    elif not isinstance(dtype, torch.dtype):
+        dtype = resolve_dtype(dtype, device)
     started = time.perf_counter()
     tokenizer = AutoTokenizer.from_pretrained(str(folder), local_files_only=True)
-    target = AutoModelForCausalLM.from_pretrained(
-        str(folder), dtype=dtype or torch.float32, local_files_only=True
-    ).to(device)
+    target = AutoModelForCausalLM.from_pretrained(str(folder), dtype=dtype, local_files_only=True).to(device)
     target.eval()
-    _log(f"loaded {name} from {folder} on {device} in {time.perf_counter() - started:.1f} s")
+    quantize_weights(target, quantize, keep_head=bool(fp32_head))
+    _log(f"loaded {name} from {folder} on {device} ({describe(dtype, quantize)}) "
+         f"in {time.perf_counter() - started:.1f} s")
     return LoadedModel(model=target, tokenizer=tokenizer, name=name, source=folder)

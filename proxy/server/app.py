@@ -78,6 +78,10 @@ class ServerSettings:
     host: str = "127.0.0.1"
     allowed_hosts: tuple[str, ...] = ()  # further Host header values; "*" allows any
     metrics_public: bool = False  # /metrics without the API key
+    # The local model's precision (proxy/engine/precision.py): --dtype, --quantize, --fp32-head.
+    dtype: str = "auto"
+    quantize: str = "none"
+    fp32_head: bool | None = None  # None: on for a bf16/fp16 head
 
 
 class LocalModel:
@@ -155,7 +159,8 @@ def create_app(settings: ServerSettings, load_local=None) -> FastAPI:
     @app.get("/health")
     async def health():
         if state["local"] is not None:
-            return {"status": "ok", "model": state["local"].name}
+            local = state["local"]
+            return {"status": "ok", "model": local.name, "precision": local.scheduler.engine.precision}
         if state["load_error"]:
             return JSONResponse({"status": "error", "error": state["load_error"]}, status_code=503)
         return JSONResponse({"status": "loading"}, status_code=503)
@@ -506,9 +511,12 @@ def _default_loader(settings: ServerSettings):
         from foretell.proxy.engine.model_loader import load_model
         from foretell.proxy.engine.scheduler import Scheduler
 
-        loaded = load_model(settings.model)
+        loaded = load_model(settings.model, dtype=settings.dtype, quantize=settings.quantize,
+                            fp32_head=settings.fp32_head)
         engine = SpeculativeEngine(loaded.model, loaded.tokenizer, kv_cache_tokens=settings.kv_cache_tokens,
-                                   prefill_chunk=settings.prefill_chunk, max_sequences=settings.max_running)
+                                   prefill_chunk=settings.prefill_chunk, max_sequences=settings.max_running,
+                                   fp32_head=settings.fp32_head)
+        logging.getLogger("foretell.server").info("engine precision: %s", engine.precision)
         if settings.calibrate:  # from the calibration cache when this machine measured it before
             calibrate_with_cache(engine, loaded.source, recalibrate=settings.recalibrate)
         name = settings.served_model_name or loaded.name
