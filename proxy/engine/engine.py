@@ -41,7 +41,7 @@ from foretell.proxy.engine.draft_length import (
     choose_step_drafts,
 )
 from foretell.proxy.engine.kv_cache import FULL, SLIDING, CacheFullError, PagedKVCache, SequenceBlocks
-from foretell.proxy.engine.precision import default_fp32_head, describe, rescore_in_fp32
+from foretell.proxy.engine.precision import default_fp32_head, describe, head_rows, rescore_in_fp32
 from foretell.proxy.engine.prompt_logprob_cache import PromptLogprobCache
 from foretell.proxy.engine.sampling import SpeculativeSampler
 from foretell.proxy.engine.sequence import (
@@ -96,10 +96,12 @@ class SpeculativeEngine:
         self.model = model
         self.dtype = model.get_input_embeddings().weight.dtype
         self.quantization = getattr(model, "foretell_quantization", "none")
+        rescorable = head_rows(model.get_output_embeddings()) is not None
         if fp32_head is None:
-            fp32_head = default_fp32_head(self.dtype, self.quantization)
-        elif fp32_head and _head_is_quantized(model):
-            raise ValueError("the fp32 head needs an unquantized output head (quantize with keep_head)")
+            fp32_head = default_fp32_head(self.dtype, self.quantization) and rescorable
+        elif fp32_head and not rescorable:
+            raise ValueError("the fp32 head reads the head's weight rows: it needs an unquantized "
+                             "or int8 output head")
         self.fp32_head = fp32_head and self.dtype != torch.float32
         self.tokenizer = tokenizer
         self.device = next(model.parameters()).device
@@ -366,12 +368,6 @@ class SpeculativeEngine:
         return measured
 
 
-def _head_is_quantized(model) -> bool:
-    head = model.get_output_embeddings()
-    return head is not None and not (type(head) is torch.nn.Linear
-                                     and type(head.weight) is torch.nn.Parameter)
-
-
 @contextlib.contextmanager
 def _output_head(model, fp32_head: bool):
     """Compute the output head for one pass, always returning float32 logits.
@@ -383,28 +379,27 @@ def _output_head(model, fp32_head: bool):
       (``benchmarks/pass_cost.py``); from a few dozen rows on the two are alike, and the usual
       kernel is kept. One row gives the same floats either way; a few rows may differ in the
       last bits, as any change of batch shape does. (In bf16 the usual kernel is faster.)
-    - bf16/fp16 weights with ``fp32_head``: the head runs at the weights' precision and the
-      tokens that could win each row are scored again in float32 (``rescore_in_fp32``).
-    - anything else (a quantized head): the head's own forward, upcast."""
+    - a bf16/fp16 head with ``fp32_head``: the head runs at its own precision and the tokens
+      that could win each row are scored again in float32 (``rescore_in_fp32``), from its
+      weight rows (an unquantized or int8 head).
+    - anything else: the head's own forward, upcast."""
     head = model.get_output_embeddings()
     if head is None:
         yield
         return
-    plain = not _head_is_quantized(model)
-    dtype = head.weight.dtype if plain else None
+    plain = type(head) is torch.nn.Linear and type(head.weight) is torch.nn.Parameter
+    rows_of = head_rows(head) if fp32_head else None
 
     def forward(hidden: torch.Tensor) -> torch.Tensor:  # [..., d] -> [..., V]
-        if not plain:
-            return type(head).forward(head, hidden).float()
         rows = hidden.reshape(-1, hidden.shape[-1])  # [n, d]
-        if dtype == torch.float32 and 1 < rows.shape[0] <= VOCABULARY_MAJOR_MAX_ROWS:
+        if plain and head.weight.dtype == torch.float32 and 1 < rows.shape[0] <= VOCABULARY_MAJOR_MAX_ROWS:
             logits = (head.weight @ rows.t()).t().contiguous()  # [V, n] -> [n, V]
             if head.bias is not None:
                 logits = logits + head.bias
         else:
-            logits = F.linear(rows, head.weight, head.bias)  # [n, V]
-            if fp32_head and dtype in (torch.bfloat16, torch.float16):
-                logits = rescore_in_fp32(rows, head.weight, head.bias, logits)
+            logits = type(head).forward(head, rows)  # [n, V]
+            if rows_of is not None and logits.dtype in (torch.bfloat16, torch.float16):
+                logits = rescore_in_fp32(rows, rows_of, head.bias, logits)
         return logits.float().reshape(*hidden.shape[:-1], logits.shape[-1])
 
     head.forward = forward

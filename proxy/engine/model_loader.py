@@ -194,8 +194,8 @@ def load_model(model: str | None = None, device: str | None = None, dtype=None,
     ``dtype``: a torch dtype or a ``--dtype`` name; None is float32 (the exact mode), ``"auto"``
     chooses for the device (``precision.resolve_dtype``). A GGUF file is converted once to a
     float32 cache and cast on loading, so every dtype shares one conversion. ``quantize``:
-    ``none``, ``int8`` or ``int4`` weight-only; the output head is quantized too unless
-    ``fp32_head`` asks for an fp32 head (which needs the head's own weights)."""
+    ``none``, ``int8`` or ``int4`` weight-only, the output head too (but an int4 head when
+    ``fp32_head`` asks to rescore it: ``precision.quantize_weights``)."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -213,7 +213,7 @@ def load_model(model: str | None = None, device: str | None = None, dtype=None,
     tokenizer = AutoTokenizer.from_pretrained(str(folder), local_files_only=True)
     target = AutoModelForCausalLM.from_pretrained(str(folder), dtype=dtype, local_files_only=True).to(device)
     target.eval()
-    quantize_weights(target, quantize, keep_head=bool(fp32_head))
+    quantize_weights(target, quantize, fp32_head=bool(fp32_head))
     _log(f"loaded {name} from {folder} on {device} ({describe(dtype, quantize)}) "
          f"in {time.perf_counter() - started:.1f} s")
     return LoadedModel(model=target, tokenizer=tokenizer, name=name, source=folder)

@@ -17,13 +17,14 @@ AMX; measured there: 13.1 against 8.2 tok/s plain, docs/benchmarks.md); float32 
 from __future__ import annotations
 
 import logging
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
 
+from foretell.proxy.options import DTYPE_CHOICES, QUANTIZE_CHOICES
+
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-DTYPE_CHOICES = ("auto", *DTYPES)
-QUANTIZE_CHOICES = ("none", "int8", "int4")
 # torchao's int4 kernels take groups of this many input features; layers whose width it does not
 # divide stay unquantized.
 INT4_GROUP_SIZE = 128
@@ -51,10 +52,11 @@ def resolve_dtype(name: str | None, device: str | torch.device) -> torch.dtype:
 
 
 def default_fp32_head(dtype: torch.dtype, quantize: str = "none") -> bool:
-    """The fp32 head is on by default over a bf16/fp16 body with an unquantized head: it costs
-    ~1% of a pass there (docs/benchmarks.md). Quantized modes quantize the head too (on the
-    embedded model it is most of the weights' bytes), so there it is off unless asked for."""
-    return dtype != torch.float32 and quantize == "none"
+    """The fp32 head is on by default over a bf16/fp16 body whose head can be rescored: an
+    unquantized or int8 head, where it costs ~1-2% of a pass (docs/benchmarks.md). An int4 head
+    cannot (torchao packs its rows); keeping it unquantized instead costs a quarter of int4's
+    plain speed here, so with int4 it is off unless asked for."""
+    return dtype != torch.float32 and quantize in ("none", "int8")
 
 
 def describe(dtype: torch.dtype, quantize: str = "none", fp32_head: bool = False) -> str:
@@ -105,6 +107,10 @@ class Int8WeightOnlyLinear(torch.nn.Module):
         self.bias = linear.bias
         self.in_features, self.out_features = linear.in_features, linear.out_features
 
+    def float_rows(self, rows: torch.Tensor) -> torch.Tensor:
+        """The de-quantized weight rows ``rows`` [c] in float32: [c, in]."""
+        return self.qweight[rows].float() * self.scale[rows].float()[:, None]
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., in] -> [..., out]
         rows = x.reshape(-1, x.shape[-1])  # [n, in]
         out = torch.ops.aten._weight_int8pack_mm(rows, self.qweight, self.scale.to(x.dtype))  # [n, out]
@@ -126,15 +132,17 @@ def _int4_config(device: torch.device):
     return Int4WeightOnlyConfig(group_size=INT4_GROUP_SIZE, int4_packing_format="tile_packed_to_4d")
 
 
-def quantize_weights(model, mode: str, keep_head: bool = False) -> int:
-    """Quantize the weights of ``model``'s linear layers in place (the output head too unless
-    ``keep_head``). Returns how many layers were quantized. Embeddings stay as they are: a
-    lookup reads one row per token, not the whole table."""
+def quantize_weights(model, mode: str, fp32_head: bool = False) -> int:
+    """Quantize the weights of ``model``'s linear layers in place, the output head included,
+    except an int4 head when ``fp32_head`` asks to rescore it (only an unquantized or int8 head's
+    rows can be read back). Returns how many layers were quantized. Embeddings stay as they are:
+    a lookup reads one row per token, not the whole table."""
     if mode == "none":
         return 0
     if mode not in QUANTIZE_CHOICES:
         raise ValueError(f"quantize must be one of {', '.join(QUANTIZE_CHOICES)}; got {mode!r}")
     head = model.get_output_embeddings()
+    keep_head = fp32_head and mode == "int4"
     if head is not None and head.weight is model.get_input_embeddings().weight and not keep_head:
         # A tied head is about to get weights of its own; the embedding keeps the original.
         model.config.tie_word_embeddings = False
@@ -173,11 +181,22 @@ _RESCORE_CHUNK = 4096  # candidates scored at once where a flat row has thousand
 _CANDIDATES = 4  # looked for with topk; a row with more is searched in full
 
 
-def rescore_in_fp32(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-                    logits: torch.Tensor) -> torch.Tensor:
+def head_rows(head) -> Callable[[torch.Tensor], torch.Tensor] | None:
+    """For an output head whose weights can be read back (a plain linear layer, or int8), a
+    function from row indices [c] to those weight rows in float32 [c, d]; else None."""
+    if isinstance(head, Int8WeightOnlyLinear):
+        return head.float_rows
+    if type(head) is torch.nn.Linear and type(head.weight) is torch.nn.Parameter:
+        return lambda rows: head.weight[rows].float()
+    return None
+
+
+def rescore_in_fp32(hidden: torch.Tensor, rows_of: Callable[[torch.Tensor], torch.Tensor],
+                    bias: torch.Tensor | None, logits: torch.Tensor) -> torch.Tensor:
     """Float32 logits from a low-precision head: ``logits`` [n, V] (bf16/fp16, from ``hidden``
-    [n, d] and ``weight`` [V, d]) upcast, and every token that could hold its row's largest
-    logit scored again as a float32 product of the same inputs.
+    [n, d] and the head's weights, whose rows ``rows_of`` gives in float32) upcast, and every
+    token that could hold its row's largest logit scored again as a float32 product of the same
+    inputs.
 
     The largest float32 product is then exact: if token j holds it, its low-precision logit is
     at least its exact value minus the error bound b, which is at least any other token's exact
@@ -198,6 +217,6 @@ def rescore_in_fp32(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tens
         rows, cols = torch.cat([rows, crowded[more_rows]]), torch.cat([cols, more_cols])
     for start in range(0, rows.numel(), _RESCORE_CHUNK):
         r, c = rows[start:start + _RESCORE_CHUNK], cols[start:start + _RESCORE_CHUNK]
-        exact = (hidden[r].float() * weight[c].float()).sum(dim=-1)  # [chunk]
+        exact = (hidden[r].float() * rows_of(c)).sum(dim=-1)  # [chunk]
         scores[r, c] = exact if bias is None else exact + bias[c].float()
     return scores
