@@ -22,6 +22,7 @@ from typing import Any, Callable
 
 from foretell import __version__
 from foretell.origin_colors import CHOICES, legend, paint_spans, paint_within, use_color
+from foretell.proxy.options import DTYPE_CHOICES, QUANTIZE_CHOICES
 
 
 def _read_file(path: str, what: str) -> tuple[bytes, str]:
@@ -77,10 +78,6 @@ def _log_format(value: str) -> str:
     return fmt
 
 
-# The names proxy/engine/precision.py takes (kept here so that parsing imports no torch;
-# tests/test_cli.py checks that the two agree).
-DTYPE_CHOICES = ("auto", "float32", "bfloat16", "float16")
-QUANTIZE_CHOICES = ("none", "int8", "int4")
 
 
 def _choice(choices: tuple[str, ...]) -> Callable[[str], str]:
@@ -100,9 +97,11 @@ def _switch(value: str) -> bool:
 
 
 def _add_precision_options(command: argparse.ArgumentParser) -> None:
-    """--dtype, --fp32-head / --no-fp32-head and --quantize, the same on generate and serve."""
+    """--dtype, --fp32-head / --no-fp32-head and --quantize, the same on generate and serve.
+    Each is None when neither the command line nor the environment sets it (serve then takes
+    the configuration file's local route, else the default)."""
     command.add_argument("--dtype", type=_choice(DTYPE_CHOICES),
-                         default=_FromEnv("FORETELL_DTYPE", "auto", _choice(DTYPE_CHOICES)),
+                         default=_FromEnv("FORETELL_DTYPE", None, _choice(DTYPE_CHOICES)),
                          help="weights' dtype: auto (default: bfloat16 on CUDA and on a CPU with "
                               "native bf16, else float32), float32 (text identical to plain greedy "
                               "decoding), bfloat16 or float16 (identical to this engine's own plain "
@@ -117,7 +116,7 @@ def _add_precision_options(command: argparse.ArgumentParser) -> None:
     head.add_argument("--no-fp32-head", dest="fp32_head", action="store_false",
                       help="take the logits at the head's own precision")
     command.add_argument("--quantize", type=_choice(QUANTIZE_CHOICES),
-                         default=_FromEnv("FORETELL_QUANTIZE", "none", _choice(QUANTIZE_CHOICES)),
+                         default=_FromEnv("FORETELL_QUANTIZE", None, _choice(QUANTIZE_CHOICES)),
                          help="weight-only quantization of the linear layers: none (default), int8 "
                               "(PyTorch's int8 weight-only kernel) or int4 (torchao, groups of 128); "
                               "faster plain decoding, text identical to the same mode's own plain "
@@ -402,7 +401,8 @@ def run_generate(args: argparse.Namespace) -> int:
         from foretell.proxy.engine.model_loader import load_model
 
     try:
-        loaded = load_model(args.model, dtype=args.dtype, quantize=args.quantize, fp32_head=args.fp32_head)
+        loaded = load_model(args.model, dtype=args.dtype or "auto", quantize=args.quantize or "none",
+                            fp32_head=args.fp32_head)
     except (ValueError, RuntimeError, OSError) as error:
         raise SystemExit(f"foretell: cannot load model: {error}") from None
     engine = SpeculativeEngine(loaded.model, loaded.tokenizer, fp32_head=args.fp32_head)
@@ -464,8 +464,13 @@ def run_serve(args: argparse.Namespace) -> int:
 
     try:
         routes = load_routes(args.config)
+        configured = routes.local_precision()
     except ValueError as error:
         raise SystemExit(f"foretell: {error}") from None
+    # The command line or environment, else the configuration file's local route, else the default.
+    for key, default in (("dtype", "auto"), ("quantize", "none"), ("fp32_head", None)):
+        if getattr(args, key) is None:
+            setattr(args, key, configured.get(key, default))
     settings = ServerSettings(
         model=args.model, served_model_name=args.served_model_name, api_keys=tuple(args.api_key),
         max_queue=args.max_queue, max_body_bytes=args.max_body_bytes,

@@ -40,6 +40,7 @@ import httpx
 from starlette.background import BackgroundTask
 from starlette.responses import Response, StreamingResponse
 
+from foretell.proxy.options import DTYPE_CHOICES, PRECISION_KEYS, QUANTIZE_CHOICES
 from foretell.proxy.server.redact import Redactor
 from foretell.proxy.server.schema import APIError
 
@@ -91,6 +92,8 @@ class ModelRoute:
     local: bool = False
     upstream: str | None = None
     fallback: str | None = None  # upstream to use when the local queue is full
+    # A local route's precision (dtype, quantize, fp32_head), as --dtype etc. would set it.
+    precision: tuple[tuple[str, object], ...] = ()
 
 
 @dataclass
@@ -102,6 +105,16 @@ class RouteTable:
     def keys(self) -> list[str]:
         """Every configured upstream key (to redact from what upstreams answer)."""
         return [key for upstream in self.upstreams.values() if (key := upstream.key())]
+
+    def local_precision(self) -> dict:
+        """The precision the local routes set (one local model: they must agree)."""
+        merged: dict = {}
+        for model, route in self.models.items():
+            for key, value in route.precision:
+                if merged.setdefault(key, value) != value:
+                    raise ValueError(f"model {model!r}: {key} = {value!r} differs from another local "
+                                     f"route's {merged[key]!r} (one local model, one precision)")
+        return merged
 
     def route_for(self, model: str, local_names: set[str]) -> ModelRoute | None:
         if model in self.models:
@@ -133,8 +146,11 @@ def load_routes(config_path: str | None, environ=os.environ) -> RouteTable:
             _check_verify_mode(spec.get("verify_predictions", "off"), f"upstream {name!r}: verify_predictions")
             table.upstreams[name] = Upstream(name=name, **spec)
         for model, spec in data.get("models", {}).items():
+            unknown = set(spec) - {"local", "upstream", "fallback", *PRECISION_KEYS}
+            if unknown:
+                raise ValueError(f"model {model!r}: unknown keys {sorted(unknown)}")
             route = ModelRoute(local=bool(spec.get("local", False)), upstream=spec.get("upstream"),
-                               fallback=spec.get("fallback"))
+                               fallback=spec.get("fallback"), precision=_local_precision(model, spec))
             for ref in (route.upstream, route.fallback):
                 if ref is not None and ref not in table.upstreams:
                     raise ValueError(f"model {model!r} names unknown upstream {ref!r}")
@@ -156,6 +172,20 @@ def load_routes(config_path: str | None, environ=os.environ) -> RouteTable:
 
 
 VERIFY_MODES = ("off", "echo", "auto")
+
+
+def _local_precision(model: str, spec: dict) -> tuple[tuple[str, object], ...]:
+    """A route's dtype / quantize / fp32_head, checked: they apply to the local model only."""
+    given = [(key, spec[key]) for key in PRECISION_KEYS if key in spec]
+    if given and not spec.get("local", False):
+        raise ValueError(f"model {model!r}: {', '.join(k for k, _ in given)} apply to a local model "
+                         "(local = true) only")
+    for key, value in given:
+        choices = {"dtype": DTYPE_CHOICES, "quantize": QUANTIZE_CHOICES, "fp32_head": (True, False)}[key]
+        if value not in choices or (key == "fp32_head") != isinstance(value, bool):
+            raise ValueError(f"model {model!r}: {key} must be one of "
+                             f"{', '.join(str(c).lower() for c in choices)}, got {value!r}")
+    return tuple(given)
 
 
 def _check_verify_mode(value, where: str) -> str:
