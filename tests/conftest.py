@@ -6,6 +6,10 @@ import os
 os.environ["HF_HUB_OFFLINE"] = "1"
 os.environ["TRITON_INTERPRET"] = "1"
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# The suite's exactness oracle is the float32 model (plain greedy decoding, token for token), so
+# the commands and servers it starts run float32 unless a test asks for another precision
+# (tests/proxy/test_precision.py covers bf16, the default on a CPU with native bf16, and int8/int4).
+os.environ.setdefault("FORETELL_DTYPE", "float32")
 
 import pytest  # noqa: E402
 

@@ -77,6 +77,31 @@ def assert_greedy_equal(model, prompt_ids, got: list[int], expected: list[int], 
     )
 
 
+def assert_equal_to_own_plain(engine, prompt_ids, got: list[int], plain: list[int], tie_epsilon: float):
+    """The promise of the bf16/fp16 and quantized precisions: speculative tokens ``got`` equal
+    the same engine's plain decoding ``plain`` (same precision, no drafts), except that they may
+    part at a near tie: where they first differ, the plain run's top-2 logit gap must be below
+    ``tie_epsilon``. Anything else fails."""
+    from foretell.proxy.engine import GenerationRequest
+
+    if got == plain:
+        return
+    first = next((i for i, (a, b) in enumerate(zip(got, plain)) if a != b), None)
+    if first is None:
+        raise AssertionError(f"lengths differ without a differing token: got {len(got)}, plain {len(plain)}")
+    # The gap where they part, in this precision: the plain context as the prompt, one token.
+    # (Not a replay of the plain request: a cached prompt prefix changes the pass's shapes, and
+    # in bf16 that alone can move a near tie.)
+    at = engine.generate(GenerationRequest(prompt_ids=list(prompt_ids) + plain[:first], max_tokens=1,
+                                           logprobs=2))
+    top = at.logprobs[0].top
+    gap = top[0][1] - top[1][1]
+    assert gap < tie_epsilon, (
+        f"output differs from this precision's plain decoding at token {first} ({got[first]} vs "
+        f"{plain[first]}) with a top-2 logit gap of {gap:.3g}: not a near tie"
+    )
+
+
 def stop_string_cut(tokenizer, tokens: list[int], stop: str) -> tuple[list[int], str] | None:
     """Where plain decoding with a stop string stops: check the text after every token."""
     for count in range(1, len(tokens) + 1):

@@ -71,3 +71,92 @@ def test_generate_samples_and_a_seed_replays(tmp_path, tiny_model_folder):
     assert json.loads(first.stderr.strip().splitlines()[-1])["seed"] == 4
     unseeded = run_cli(*args)
     assert isinstance(json.loads(unseeded.stderr.strip().splitlines()[-1])["seed"], int)
+
+
+def test_precision_options_parse(monkeypatch, capsys):
+    from foretell.cli import _resolve_env, build_parser
+
+    monkeypatch.delenv("FORETELL_DTYPE", raising=False)
+    args = build_parser().parse_args(["serve"])
+    _resolve_env(args)
+    # Not set: serve takes the configuration file's local route, else auto / none / by dtype.
+    assert (args.dtype, args.quantize, args.fp32_head) == (None, None, None)
+    args = build_parser().parse_args(["generate", "--prompt-file", "-", "--dtype", "BFloat16",
+                                      "--quantize", "int4", "--no-fp32-head"])
+    _resolve_env(args)
+    assert (args.dtype, args.quantize, args.fp32_head) == ("bfloat16", "int4", False)
+    monkeypatch.setenv("FORETELL_FP32_HEAD", "1")
+    monkeypatch.setenv("FORETELL_QUANTIZE", "int8")
+    args = build_parser().parse_args(["serve"])
+    _resolve_env(args)
+    assert (args.quantize, args.fp32_head) == ("int8", True)
+    monkeypatch.setenv("FORETELL_DTYPE", "fp8")
+    args = build_parser().parse_args(["serve"])
+    with pytest.raises(SystemExit) as exit_:
+        _resolve_env(args)
+    assert exit_.value.code == 2
+    assert "FORETELL_DTYPE='fp8': must be auto, float32, bfloat16 or float16" in capsys.readouterr().err
+
+
+def test_bad_precision_options_are_refused():
+    result = run_cli("generate", "--prompt-file", "-", "--quantize", "int2", stdin="x")
+    assert result.returncode == 2 and "must be none, int8 or int4, got int2" in result.stderr
+    result = run_cli("generate", "--prompt-file", "-", "--fp32-head", "--no-fp32-head", stdin="x")
+    assert result.returncode == 2 and "not allowed with argument" in result.stderr
+
+
+def test_generate_runs_the_default_precision(tmp_path, tiny_model_folder, tiny_model, tokenizer):
+    """Without --dtype: bf16 with the fp32 head on a CPU with native bf16 (this one), else fp32;
+    the text is that precision's own plain decoding."""
+    import copy
+
+    import torch
+
+    from foretell.proxy.engine.precision import resolve_dtype
+
+    dtype = resolve_dtype("auto", "cpu")
+    prompt = "def area(width, height):\n    return"
+    engine = SpeculativeEngine(copy.deepcopy(tiny_model), tokenizer, dtype=dtype)
+    plain = engine.generate(GenerationRequest(prompt_ids=tokenizer(prompt)["input_ids"], max_tokens=24))
+    (tmp_path / "prompt.txt").write_text(prompt)
+    env = {k: v for k, v in os.environ.items() if k != "FORETELL_DTYPE"}
+    result = subprocess.run([sys.executable, "-m", "foretell.cli", "generate", "--model", str(tiny_model_folder),
+                             "--prompt-file", str(tmp_path / "prompt.txt"), "--max-tokens", "24",
+                             "--no-calibrate"], capture_output=True, text=True, env=env, timeout=600)
+    assert result.returncode == 0, result.stderr
+    assert f"precision {engine.precision}" in result.stderr
+    assert engine.precision == ("bfloat16+fp32-head" if dtype == torch.bfloat16 else "float32")
+    assert result.stdout.rstrip("\n") == plain.text.rstrip("\n")
+    assert "Failed to load" not in result.stderr and "Enum subclass" not in result.stderr  # torchao's noise
+
+
+def test_generate_quantized(tmp_path, tiny_model_folder):
+    (tmp_path / "prompt.txt").write_text("def area(width, height):\n    return")
+    result = run_cli("generate", "--model", str(tiny_model_folder), "--prompt-file", str(tmp_path / "prompt.txt"),
+                     "--max-tokens", "8", "--no-calibrate", "--dtype", "bfloat16", "--quantize", "int8",
+                     "--json-stats")
+    assert result.returncode == 0, result.stderr
+    assert "precision bfloat16/int8" in result.stderr
+    assert json.loads(result.stderr.strip().splitlines()[-1])["completion_tokens"] == 8
+
+
+def test_serve_takes_the_precision_from_the_command_line_else_the_local_route(tmp_path, monkeypatch):
+    import uvicorn
+
+    import foretell.proxy.server as server_package
+    import foretell.proxy.server.logs as logs
+    from foretell.cli import main
+
+    started = []
+    monkeypatch.setattr(server_package, "create_app", lambda settings: started.append(settings))
+    monkeypatch.setattr(uvicorn, "run", lambda *args, **kwargs: None)
+    monkeypatch.setattr(logs, "configure_logging", lambda *args: None)
+    monkeypatch.delenv("FORETELL_DTYPE", raising=False)
+    config = tmp_path / "routes.toml"
+    config.write_text('[models."gemma-3-270m"]\nlocal = true\ndtype = "float16"\nquantize = "int8"\n')
+
+    main(["serve", "--config", str(config)])
+    main(["serve", "--config", str(config), "--dtype", "bfloat16", "--no-fp32-head"])
+    main(["serve"])
+    assert [(s.dtype, s.quantize, s.fp32_head) for s in started] == [
+        ("float16", "int8", None), ("bfloat16", "int8", False), ("auto", "none", None)]

@@ -201,7 +201,7 @@ def test_foretell_serve_reads_and_recalibrates(cache_dir, tiny_model_folder, tin
     make_up(path)
 
     def serve(**settings) -> None:
-        app = create_app(ServerSettings(model=str(tiny_model_folder), **settings))
+        app = create_app(ServerSettings(model=str(tiny_model_folder), dtype="float32", **settings))
         with TestClient(app, base_url="http://127.0.0.1") as client:
             deadline = time.time() + 120
             while client.get("/health").status_code != 200:

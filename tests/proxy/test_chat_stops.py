@@ -118,7 +118,8 @@ def served(tmp_path_factory, tokenizer):
             folder = tmp_path_factory.mktemp(f"cycle-{kind}")
             model.save_pretrained(folder)
             with_template(tokenizer, template).save_pretrained(folder)
-            app = create_app(ServerSettings(model=str(folder), served_model_name="cycle", calibrate=False))
+            app = create_app(ServerSettings(model=str(folder), served_model_name="cycle",
+                                            calibrate=False, dtype="float32"))
             client = TestClient(app, base_url="http://127.0.0.1")
             client.__enter__()  # runs the lifespan: the model loads on a thread
             stack.append(client)

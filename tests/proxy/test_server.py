@@ -135,6 +135,11 @@ def test_health_answers_503_while_loading_then_200(server):
     assert httpx.get(server["base"] + "/health").status_code == 200
 
 
+def test_health_names_the_precision(server):
+    # FORETELL_DTYPE=float32 (tests/conftest.py): the suite's oracle is the float32 model.
+    assert httpx.get(server["base"] + "/health").json()["precision"] == "float32"
+
+
 def test_a_model_name_asked_for_while_loading_is_told_to_retry(server):
     # Not "model does not exist": the local model's own name is known only once it has loaded.
     assert server["loading_answer"] == (503, "model_loading", "5")

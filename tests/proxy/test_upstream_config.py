@@ -32,6 +32,12 @@ def test_default_upstream_from_the_environment():
     ('[upstreams.a]\napi_key_env = "K"\n', "needs base_url"),
     ('[models.x]\nfallback = "a"\n', "unknown upstream"),
     ("this is = not toml [", "not valid TOML"),
+    ('[models.x]\nlocal = true\ndtyp = "bfloat16"\n', r"unknown keys \['dtyp'\]"),
+    ('[models.x]\nlocal = true\ndtype = "fp8"\n', "dtype must be one of auto, float32, bfloat16, float16"),
+    ('[models.x]\nlocal = true\nquantize = "int2"\n', "quantize must be one of none, int8, int4"),
+    ('[models.x]\nlocal = true\nfp32_head = "yes"\n', "fp32_head must be one of true, false"),
+    ('[upstreams.a]\nbase_url = "http://127.0.0.1:9/v1"\n[models.x]\nupstream = "a"\nquantize = "int4"\n',
+     "apply to a local model"),
 ])
 def test_bad_config_is_a_clear_error(tmp_path, text, message):
     path = tmp_path / "bad.toml"
@@ -46,3 +52,14 @@ def test_prepare_body_drops_local_fields_and_unsupported_prediction():
     assert "prediction" not in sent and "speculation" not in sent and notes
     sent, notes = prepare_body(body, Upstream(name="u", base_url="http://x", supports_prediction=True))
     assert sent["prediction"] == body["prediction"] and not notes
+
+
+def test_a_local_route_sets_the_precision(tmp_path):
+    path = tmp_path / "routes.toml"
+    path.write_text('[models.a]\nlocal = true\ndtype = "bfloat16"\nquantize = "int4"\n'
+                    '[models.b]\nlocal = true\nfp32_head = false\n')
+    assert load_routes(str(path), environ={}).local_precision() == {
+        "dtype": "bfloat16", "quantize": "int4", "fp32_head": False}
+    path.write_text('[models.a]\nlocal = true\ndtype = "bfloat16"\n[models.b]\nlocal = true\ndtype = "float32"\n')
+    with pytest.raises(ValueError, match="one local model, one precision"):
+        load_routes(str(path), environ={}).local_precision()

@@ -94,6 +94,9 @@ def live_server():
     env = dict(os.environ, HF_HUB_OFFLINE="1")
     env.pop("FORETELL_API_KEY", None)
     env.pop("FORETELL_MODEL", None)
+    # The product's default precision (bf16 with the fp32 head on a CPU with native bf16): these
+    # tests compare the server with itself, speculative against plain, as the README promises.
+    env.pop("FORETELL_DTYPE", None)
     process = subprocess.Popen(
         [sys.executable, "-m", "foretell.cli", "serve", "--port", str(port), "--no-calibrate",
          "--log-level", "warning"],  # the pipe is read only on failure: no access lines to fill it

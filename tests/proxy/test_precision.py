@@ -1,0 +1,219 @@
+"""Precision: dtype choice, the fp32-rescored head, weight-only quantization, and what "the same
+text" means per precision (fp32: plain greedy decoding exactly, tested in
+test_engine_exactness.py; bf16 and quantized: the same engine's plain decoding at the same
+precision, except at near ties)."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from foretell.proxy.engine import GenerationRequest, SpeculativeEngine
+from foretell.proxy.engine import precision
+from foretell.proxy.engine.precision import (
+    Int8WeightOnlyLinear,
+    describe,
+    head_rows,
+    quantize_weights,
+    rescore_in_fp32,
+    resolve_dtype,
+)
+from tests.helpers import assert_equal_to_own_plain
+
+PROMPT = "def parse(line):\n    key, value = line.split('=')\n    return key.strip(), value\n"
+MAX_NEW = 60
+# The tiny model's logits are a few tenths; bf16 rounds its activations to 2**-8 of their size,
+# so a batched verify can move a logit by ~1e-3. A gap beyond this is no near tie.
+TINY_BF16_TIE_EPSILON = 2e-2
+# The embedded model's logits are ~10-30: bf16 activations move them by a few hundredths.
+EMBEDDED_BF16_TIE_EPSILON = 0.25
+
+
+# ---- the fp32 head against its oracle ---------------------------------------------------------
+
+def _head_case(dtype, rows=16, vocab=5000, width=64, seed=0):
+    generator = torch.Generator().manual_seed(seed)
+    hidden = torch.randn(rows, width, generator=generator).to(dtype)  # [n, d]
+    weight = torch.randn(vocab, width, generator=generator).to(dtype)  # [V, d]
+    # Near ties: rows 0-7 get a second token whose weight differs from the leader's in one low bit.
+    exact = F.linear(hidden.float(), weight.float())  # [n, V]
+    for row in range(8):
+        leader = int(exact[row].argmax())
+        twin = (leader + 1 + row) % vocab
+        weight[twin] = weight[leader]
+        weight[twin, row % width] += (1 if row % 2 else -1) * 2.0 ** -6 * weight[leader, row % width].abs()
+    return hidden, weight
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_rescored_head_picks_the_fp32_products_argmax(dtype):
+    hidden, weight = _head_case(dtype)
+    low = F.linear(hidden, weight)  # [n, V] at the weights' precision
+    oracle = F.linear(hidden.float(), weight.float())  # [n, V] the float32 products
+    scores = rescore_in_fp32(hidden, lambda rows: weight[rows].float(), None, low)
+    assert scores.dtype == torch.float32
+    assert torch.equal(scores.argmax(dim=-1), oracle.argmax(dim=-1))
+    best = scores.argmax(dim=-1)
+    torch.testing.assert_close(scores.gather(1, best[:, None]), oracle.gather(1, best[:, None]),
+                               rtol=1e-5, atol=1e-5)
+    # Away from the top, the low-precision logits are kept (upcast).
+    assert torch.equal(scores.min(dim=-1).values, low.float().min(dim=-1).values)
+
+
+def test_the_rescoring_changes_greedy_tokens_bf16_would_tie():
+    """The case it exists for: bf16 logits tie at the top (the first index wins), float32 ones
+    do not. Without rescoring, argmax picks a token the float32 products rank second."""
+    hidden, weight = _head_case(torch.bfloat16, rows=64, seed=1)
+    low = F.linear(hidden, weight)
+    oracle = F.linear(hidden.float(), weight.float()).argmax(dim=-1)
+    assert not torch.equal(low.float().argmax(dim=-1), oracle)  # bf16 alone gets some wrong
+    assert torch.equal(rescore_in_fp32(hidden, lambda rows: weight[rows].float(), None, low).argmax(dim=-1),
+                       oracle)
+
+
+def test_an_int8_head_is_rescored_from_its_dequantized_rows():
+    hidden, weight = _head_case(torch.bfloat16, rows=64, seed=2)
+    linear = torch.nn.Linear(weight.shape[1], weight.shape[0], bias=False).to(torch.bfloat16)
+    with torch.no_grad():
+        linear.weight.copy_(weight)
+    head = Int8WeightOnlyLinear(linear)
+    oracle = F.linear(hidden.float(), head.float_rows(torch.arange(weight.shape[0])))  # [n, V]
+    scores = rescore_in_fp32(hidden, head_rows(head), None, head(hidden))
+    assert torch.equal(scores.argmax(dim=-1), oracle.argmax(dim=-1))
+
+
+def test_a_flat_row_is_searched_in_full():
+    """More candidates than topk returns (a row of equal logits): every one is rescored."""
+    hidden = torch.ones(2, 8, dtype=torch.bfloat16)
+    weight = torch.full((10000, 8), 0.5, dtype=torch.bfloat16)
+    weight[7777, 3] = 0.50390625  # one bf16 step above: its product is the largest
+    bias = torch.zeros(10000, dtype=torch.bfloat16)
+    scores = rescore_in_fp32(hidden, lambda rows: weight[rows].float(), bias, F.linear(hidden, weight, bias))
+    assert scores.argmax(dim=-1).tolist() == [7777, 7777]
+
+
+# ---- dtype choice ----------------------------------------------------------------------------
+
+def test_auto_is_bf16_on_cuda_and_on_a_cpu_with_native_bf16(monkeypatch):
+    monkeypatch.setattr(precision, "cpu_has_native_bf16", lambda: True)
+    assert resolve_dtype("auto", "cpu") == torch.bfloat16
+    monkeypatch.setattr(precision, "cpu_has_native_bf16", lambda: False)
+    assert resolve_dtype("auto", "cpu") == torch.float32
+    assert resolve_dtype(None, "cuda") == torch.bfloat16
+    assert resolve_dtype("float16", "cpu") == torch.float16
+    with pytest.raises(ValueError, match="dtype must be one of auto, float32, bfloat16, float16"):
+        resolve_dtype("fp8", "cpu")
+
+
+def test_the_command_lines_choices_are_the_engines():
+    from foretell import cli
+
+    assert cli.DTYPE_CHOICES == precision.DTYPE_CHOICES
+    assert cli.QUANTIZE_CHOICES == precision.QUANTIZE_CHOICES
+
+
+def test_precision_labels():
+    assert describe(torch.float32, "none", True) == "float32"  # no fp32 head over an fp32 body
+    assert describe(torch.bfloat16, "none", True) == "bfloat16+fp32-head"
+    assert describe(torch.bfloat16, "int4") == "bfloat16/int4"
+
+
+# ---- quantization ------------------------------------------------------------------------------
+
+def test_int8_linear_equals_its_dequantized_reference():
+    torch.manual_seed(0)
+    linear = torch.nn.Linear(96, 40, bias=True).to(torch.bfloat16)
+    quantized = Int8WeightOnlyLinear(linear)
+    x = torch.randn(3, 5, 96, dtype=torch.bfloat16)
+    reference = (x.float() @ (quantized.qweight.float() * quantized.scale.float()[:, None]).t()
+                 + linear.bias.float())  # [3, 5, 40]
+    torch.testing.assert_close(quantized(x).float(), reference, rtol=2e-2, atol=2e-2)
+    # and it stays near the unquantized layer (int8 keeps ~1/254 of each row's range)
+    torch.testing.assert_close(quantized(x).float(), linear(x).float(), rtol=0.1, atol=0.1)
+
+
+def test_quantize_replaces_every_linear_layer_the_head_too(tiny_model):
+    model = copy.deepcopy(tiny_model).to(torch.bfloat16)
+    linears = sum(type(m) is torch.nn.Linear for m in model.modules())
+    assert quantize_weights(model, "int8") == linears
+    assert isinstance(model.get_output_embeddings(), Int8WeightOnlyLinear)
+    assert model.get_input_embeddings().weight.dtype == torch.bfloat16  # the embedding is kept
+    assert model.foretell_quantization == "int8"
+    with pytest.raises(ValueError, match="quantize must be one of none, int8, int4"):
+        quantize_weights(model, "int3")
+
+
+def test_int4_quantizes_the_layers_torchao_can_group(tiny_model):
+    pytest.importorskip("torchao")
+    model = copy.deepcopy(tiny_model).to(torch.bfloat16)
+    # The tiny model's widths: 64 (not a multiple of 128: left alone) and 128 (the MLP's down_proj).
+    assert quantize_weights(model, "int4") == model.config.num_hidden_layers
+    down = model.model.layers[0].mlp.down_proj
+    assert type(down.weight) is not torch.nn.Parameter  # a torchao tensor
+    ids = torch.tensor([[2, 100, 200]])
+    assert torch.isfinite(model(input_ids=ids).logits).all()
+
+
+# ---- the same text, per precision -------------------------------------------------------------
+
+def _spec_and_plain(engine, prompt_ids, max_new, prediction):
+    plain = engine.generate(GenerationRequest(prompt_ids=prompt_ids, max_tokens=max_new))
+    spec = engine.generate(GenerationRequest(prompt_ids=prompt_ids, max_tokens=max_new,
+                                             prediction=prediction or plain.text, prompt_lookup=True))
+    return plain, spec
+
+
+@pytest.mark.parametrize("mode", ["bfloat16", "bfloat16-bf16-head", "float16", "int8", "int4"])
+def test_tiny_model_speculation_equals_its_own_plain_decoding(tiny_model, tokenizer, mode):
+    if mode == "int4":
+        pytest.importorskip("torchao")
+    dtype = torch.float16 if mode == "float16" else torch.bfloat16
+    model = copy.deepcopy(tiny_model).to(dtype)
+    quantize_weights(model, mode if mode in ("int8", "int4") else "none")
+    engine = SpeculativeEngine(model, tokenizer, fp32_head=False if mode == "bfloat16-bf16-head" else None)
+    assert engine.dtype == dtype
+    prompt_ids = tokenizer(PROMPT)["input_ids"]
+    for prediction in (None, PROMPT):  # its own output (all accepted), then a useless one
+        plain, spec = _spec_and_plain(engine, prompt_ids, MAX_NEW, prediction)
+        assert_equal_to_own_plain(engine, prompt_ids, spec.token_ids, plain.token_ids, TINY_BF16_TIE_EPSILON)
+        if prediction is None:  # the speculative path really ran
+            assert spec.stats.target_passes < len(spec.token_ids)
+
+
+def test_the_engine_casts_a_model_and_names_its_precision(tiny_model, tokenizer):
+    engine = SpeculativeEngine(copy.deepcopy(tiny_model), tokenizer, dtype=torch.bfloat16)
+    assert (engine.dtype, engine.fp32_head, engine.precision) == (torch.bfloat16, True, "bfloat16+fp32-head")
+    assert engine.cache.keys[0].dtype == torch.bfloat16
+    assert SpeculativeEngine(tiny_model, tokenizer).precision == "float32"
+
+    quantized = copy.deepcopy(tiny_model).to(torch.bfloat16)
+    quantize_weights(quantized, "int8")
+    assert SpeculativeEngine(quantized, tokenizer).precision == "bfloat16/int8+fp32-head"
+    assert SpeculativeEngine(quantized, tokenizer, fp32_head=False).precision == "bfloat16/int8"
+    opaque = copy.deepcopy(tiny_model).to(torch.bfloat16)
+    opaque.lm_head = torch.nn.Sequential(opaque.lm_head)  # a head whose rows cannot be read back
+    assert SpeculativeEngine(opaque, tokenizer).precision == "bfloat16"
+    with pytest.raises(ValueError, match="needs an unquantized or int8 output head"):
+        SpeculativeEngine(opaque, tokenizer, fp32_head=True)
+
+
+@pytest.mark.embedded
+def test_embedded_model_in_bf16_equals_its_own_plain_decoding():
+    """The default precision on this CPU, on a real edit: the file before the edit as the
+    prediction, and prompt lookup."""
+    from pathlib import Path
+
+    from foretell.proxy.engine.model_loader import load_model
+
+    loaded = load_model(None, dtype="bfloat16")
+    engine = SpeculativeEngine(loaded.model, loaded.tokenizer)
+    assert engine.precision == "bfloat16+fp32-head"
+    edit_dir = Path(__file__).resolve().parents[2] / "examples" / "edit"
+    before = (edit_dir / "before.py").read_text()
+    prompt_ids = loaded.tokenizer(before + "\n\n" + (edit_dir / "prompt.txt").read_text())["input_ids"]
+    plain, spec = _spec_and_plain(engine, prompt_ids, 120, before)
+    assert_equal_to_own_plain(engine, prompt_ids, spec.token_ids, plain.token_ids, EMBEDDED_BF16_TIE_EPSILON)
+    assert spec.stats.target_passes < len(spec.token_ids) / 2
