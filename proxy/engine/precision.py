@@ -25,11 +25,11 @@ import torch.nn.functional as F
 from foretell.proxy.options import DTYPE_CHOICES, QUANTIZE_CHOICES
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-# torchao's int4 kernels take groups of this many input features; layers whose width it does not
+# torchao's int4 kernels take groups of this many input features, and PyTorch's int8 kernel
+# needs a multiple of 16 (on the CPU it crashes otherwise); layers whose width they do not
 # divide stay unquantized.
 INT4_GROUP_SIZE = 128
-
-log = logging.getLogger("foretell.engine")
+INT8_ALIGNMENT = 16
 
 
 def cpu_has_native_bf16() -> bool:
@@ -100,6 +100,9 @@ class Int8WeightOnlyLinear(torch.nn.Module):
 
     def __init__(self, linear: torch.nn.Linear):
         super().__init__()
+        if linear.in_features % INT8_ALIGNMENT:
+            raise ValueError(f"int8 weight-only needs in_features divisible by {INT8_ALIGNMENT}, "
+                             f"got {linear.in_features}")
         weight = linear.weight.detach().float()  # [out, in]
         scale = weight.abs().amax(dim=1).clamp(min=1e-8) / 127.0  # [out]
         self.register_buffer("qweight", torch.round(weight / scale[:, None]).to(torch.int8))
@@ -150,7 +153,7 @@ def quantize_weights(model, mode: str, fp32_head: bool = False) -> int:
     def wanted(module: torch.nn.Module) -> bool:
         if type(module) is not torch.nn.Linear or (keep_head and module is head):
             return False
-        return mode == "int8" or module.in_features % INT4_GROUP_SIZE == 0
+        return module.in_features % (INT8_ALIGNMENT if mode == "int8" else INT4_GROUP_SIZE) == 0
 
     model.foretell_quantization = mode  # the engine reports it (SpeculativeEngine.precision)
     if mode == "int8":

@@ -89,6 +89,7 @@ class LocalModel:
 
     def __init__(self, loaded, scheduler, served_name: str):
         self.loaded, self.scheduler, self.name = loaded, scheduler, served_name
+        self.precision = scheduler.engine.precision  # e.g. bfloat16+fp32-head, shown by /health
         self.tokenizer = loaded.tokenizer
         # The engine's own limit (None: the model names none), checked here before queueing.
         self.context = scheduler.engine.max_positions
@@ -160,7 +161,7 @@ def create_app(settings: ServerSettings, load_local=None) -> FastAPI:
     async def health():
         if state["local"] is not None:
             local = state["local"]
-            return {"status": "ok", "model": local.name, "precision": local.scheduler.engine.precision}
+            return {"status": "ok", "model": local.name, "precision": local.precision}
         if state["load_error"]:
             return JSONResponse({"status": "error", "error": state["load_error"]}, status_code=503)
         return JSONResponse({"status": "loading"}, status_code=503)

@@ -146,6 +146,16 @@ def test_quantize_replaces_every_linear_layer_the_head_too(tiny_model):
         quantize_weights(model, "int3")
 
 
+def test_int8_leaves_layers_its_kernel_cannot_take():
+    """PyTorch's int8 kernel needs a width divisible by 16 (it crashes the process otherwise)."""
+    model = torch.nn.Sequential(torch.nn.Linear(24, 32), torch.nn.Linear(32, 8)).to(torch.bfloat16)
+    model.get_output_embeddings = lambda: None
+    assert quantize_weights(model, "int8") == 1
+    assert type(model[0]) is torch.nn.Linear and isinstance(model[1], Int8WeightOnlyLinear)
+    with pytest.raises(ValueError, match="divisible by 16"):
+        Int8WeightOnlyLinear(torch.nn.Linear(24, 8))
+
+
 def test_int4_quantizes_the_layers_torchao_can_group(tiny_model):
     pytest.importorskip("torchao")
     model = copy.deepcopy(tiny_model).to(torch.bfloat16)
@@ -200,20 +210,28 @@ def test_the_engine_casts_a_model_and_names_its_precision(tiny_model, tokenizer)
         SpeculativeEngine(opaque, tokenizer, fp32_head=True)
 
 
-@pytest.mark.embedded
-def test_embedded_model_in_bf16_equals_its_own_plain_decoding():
-    """The default precision on this CPU, on a real edit: the file before the edit as the
-    prediction, and prompt lookup."""
-    from pathlib import Path
-
+@pytest.fixture(scope="module")
+def embedded_bf16():
     from foretell.proxy.engine.model_loader import load_model
 
     loaded = load_model(None, dtype="bfloat16")
-    engine = SpeculativeEngine(loaded.model, loaded.tokenizer)
+    return loaded, SpeculativeEngine(loaded.model, loaded.tokenizer)
+
+
+@pytest.mark.embedded
+@pytest.mark.parametrize("source", ["prediction+lookup", "lookup"])
+def test_embedded_model_in_bf16_equals_its_own_plain_decoding(embedded_bf16, source):
+    """The default precision on this CPU, on a real edit: the file before the edit as the
+    prediction with prompt lookup, or prompt lookup alone."""
+    from pathlib import Path
+
+    loaded, engine = embedded_bf16
     assert engine.precision == "bfloat16+fp32-head"
     edit_dir = Path(__file__).resolve().parents[2] / "examples" / "edit"
     before = (edit_dir / "before.py").read_text()
     prompt_ids = loaded.tokenizer(before + "\n\n" + (edit_dir / "prompt.txt").read_text())["input_ids"]
-    plain, spec = _spec_and_plain(engine, prompt_ids, 120, before)
+    plain = engine.generate(GenerationRequest(prompt_ids=prompt_ids, max_tokens=120))
+    spec = engine.generate(GenerationRequest(prompt_ids=prompt_ids, max_tokens=120, prompt_lookup=True,
+                                             prediction=before if source == "prediction+lookup" else None))
     assert_equal_to_own_plain(engine, prompt_ids, spec.token_ids, plain.token_ids, EMBEDDED_BF16_TIE_EPSILON)
     assert spec.stats.target_passes < len(spec.token_ids) / 2

@@ -173,7 +173,7 @@ def test_prediction_usage(prediction, completion, accepted, rejected):
 
 
 def test_vocabulary_major_output_head_equals_the_linear_layer_and_is_restored():
-    from foretell.proxy.engine.engine import VOCABULARY_MAJOR_MAX_ROWS, _vocabulary_major_output_head
+    from foretell.proxy.engine.engine import VOCABULARY_MAJOR_MAX_ROWS, _output_head
 
     class WithHead(torch.nn.Module):
         def __init__(self, bias: bool):
@@ -189,9 +189,42 @@ def test_vocabulary_major_output_head_equals_the_linear_layer_and_is_restored():
         for rows in (0, 1, 5, VOCABULARY_MAJOR_MAX_ROWS, VOCABULARY_MAJOR_MAX_ROWS + 3):
             hidden = torch.randn(1, rows, 24)
             expected = torch.nn.functional.linear(hidden, model.head.weight, model.head.bias)  # [1, rows, V]
-            with _vocabulary_major_output_head(model):
+            with _output_head(model, fp32_head=False):
                 assert "forward" in vars(model.head)
                 got = model.head(hidden)
             assert got.shape == expected.shape and got.is_contiguous()
             torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
             assert "forward" not in vars(model.head)  # the class's own forward again
+
+
+def test_output_head_rescores_a_bf16_head_in_fp32_and_upcasts_a_quantized_one():
+    from foretell.proxy.engine.engine import _output_head
+    from foretell.proxy.engine.precision import Int8WeightOnlyLinear
+
+    class WithHead(torch.nn.Module):
+        def __init__(self, head):
+            super().__init__()
+            self.head = head
+
+        def get_output_embeddings(self):
+            return self.head
+
+    torch.manual_seed(0)
+    linear = torch.nn.Linear(24, 1000, bias=False).to(torch.bfloat16)
+    hidden = torch.randn(1, 6, 24, dtype=torch.bfloat16)
+    oracle = torch.nn.functional.linear(hidden.float(), linear.weight.float())  # [1, 6, V]
+    for fp32_head in (True, False):
+        with _output_head(WithHead(linear), fp32_head):
+            got = linear(hidden)
+        assert got.dtype == torch.float32 and got.shape == oracle.shape
+        if fp32_head:  # the winners are float32 products
+            best = got.argmax(dim=-1, keepdim=True)
+            assert torch.equal(best, oracle.argmax(dim=-1, keepdim=True))
+            torch.testing.assert_close(got.gather(-1, best), oracle.gather(-1, best))
+        else:  # bf16 logits, upcast
+            assert torch.equal(got, torch.nn.functional.linear(hidden, linear.weight).float())
+    int8 = Int8WeightOnlyLinear(torch.nn.Linear(32, 1000, bias=False).to(torch.bfloat16))
+    hidden = torch.randn(1, 6, 32, dtype=torch.bfloat16)
+    with _output_head(WithHead(int8), fp32_head=False):
+        got = int8(hidden)
+    assert got.dtype == torch.float32 and torch.equal(got, Int8WeightOnlyLinear.forward(int8, hidden).float())
