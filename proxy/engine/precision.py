@@ -11,7 +11,8 @@ again. What each choice promises (README, "What 'the same text' means"):
   precision's rounding (a batched verify rounds differently from a one-token pass).
 
 ``auto`` picks bf16 on CUDA, and on a CPU where oneDNN has native bf16 kernels (AVX512-BF16 or
-AMX; measured there: 13.1 against 8.2 tok/s plain, docs/benchmarks.md); float32 elsewhere.
+AMX; measured on one: 15.7 against 9.9 tok/s plain, 147-196 against 50-55 with predictions,
+docs/benchmarks.md); float32 elsewhere.
 """
 
 from __future__ import annotations
@@ -53,7 +54,7 @@ def resolve_dtype(name: str | None, device: str | torch.device) -> torch.dtype:
 
 def default_fp32_head(dtype: torch.dtype, quantize: str = "none") -> bool:
     """The fp32 head is on by default over a bf16/fp16 body whose head can be rescored: an
-    unquantized or int8 head, where it costs ~1-2% of a pass (docs/benchmarks.md). An int4 head
+    unquantized or int8 head, where a pass costs 1.01-1.10x (docs/benchmarks.md). An int4 head
     cannot (torchao packs its rows); keeping it unquantized instead costs a quarter of int4's
     plain speed here, so with int4 it is off unless asked for."""
     return dtype != torch.float32 and quantize in ("none", "int8")
@@ -175,9 +176,10 @@ def quantize_weights(model, mode: str, fp32_head: bool = False) -> int:
 # ---- the output head in fp32 -----------------------------------------------------------------
 
 # A bf16 (fp16) product may differ from the fp32 product of the same inputs by its rounding, at
-# most half a unit in the last place (2**-9 of the value for bf16, 2**-12 for fp16), and by the
-# kernel's order of summation. This bound is four times the rounding, plus a floor for values
-# near zero: too wide a bound only rescores a few more tokens.
+# most half a unit in the last place (2**-8 of the value for bf16, 2**-11 for fp16), and by the
+# kernel's order of summation (fp32 accumulation: far less). This bound is twice the rounding,
+# plus a floor for values near zero: too wide a bound only rescores a few more tokens (on real
+# text ~1 a row).
 _RELATIVE_ERROR = {torch.bfloat16: 2.0 ** -7, torch.float16: 2.0 ** -10}
 _ABSOLUTE_ERROR = 1e-3
 _RESCORE_CHUNK = 4096  # candidates scored at once where a flat row has thousands
