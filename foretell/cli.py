@@ -78,8 +78,6 @@ def _log_format(value: str) -> str:
     return fmt
 
 
-
-
 def _choice(choices: tuple[str, ...]) -> Callable[[str], str]:
     def convert(value: str) -> str:
         name = value.strip().lower()
@@ -110,8 +108,8 @@ def _add_precision_options(command: argparse.ArgumentParser) -> None:
     head.add_argument("--fp32-head", dest="fp32_head", action="store_true",
                       default=_FromEnv("FORETELL_FP32_HEAD", None, _switch),
                       help="score each row's leading tokens in float32 over a bf16/fp16 head, so "
-                           "that rounding does not tie them (default: on for bf16/fp16 without "
-                           "--quantize; with --quantize it keeps the head unquantized) "
+                           "that rounding does not decide between them (default: on for bf16/fp16, "
+                           "unquantized or int8; with int4 it keeps the head in bf16) "
                            "(env: FORETELL_FP32_HEAD=1 or 0)")
     head.add_argument("--no-fp32-head", dest="fp32_head", action="store_false",
                       help="take the logits at the head's own precision")

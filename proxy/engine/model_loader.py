@@ -199,10 +199,9 @@ def load_model(model: str | None = None, device: str | None = None, dtype=None,
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from foretell.proxy.engine.precision import QUANTIZE_CHOICES, describe, quantize_weights, resolve_dtype
+    from foretell.proxy.engine.precision import check_quantize, describe, quantize_weights, resolve_dtype
 
-    if quantize not in QUANTIZE_CHOICES:
-        raise ValueError(f"quantize must be one of {', '.join(QUANTIZE_CHOICES)}; got {quantize!r}")
+    check_quantize(quantize)  # before the load, not after it
     name, folder = resolve_model_folder(model)
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     if dtype is None:

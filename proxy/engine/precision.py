@@ -136,15 +136,19 @@ def _int4_config(device: torch.device):
     return Int4WeightOnlyConfig(group_size=INT4_GROUP_SIZE, int4_packing_format="tile_packed_to_4d")
 
 
+def check_quantize(mode: str) -> None:
+    if mode not in QUANTIZE_CHOICES:
+        raise ValueError(f"quantize must be one of {', '.join(QUANTIZE_CHOICES)}; got {mode!r}")
+
+
 def quantize_weights(model, mode: str, fp32_head: bool = False) -> int:
     """Quantize the weights of ``model``'s linear layers in place, the output head included,
     except an int4 head when ``fp32_head`` asks to rescore it (only an unquantized or int8 head's
     rows can be read back). Returns how many layers were quantized. Embeddings stay as they are:
     a lookup reads one row per token, not the whole table."""
+    check_quantize(mode)
     if mode == "none":
         return 0
-    if mode not in QUANTIZE_CHOICES:
-        raise ValueError(f"quantize must be one of {', '.join(QUANTIZE_CHOICES)}; got {mode!r}")
     head = model.get_output_embeddings()
     keep_head = fp32_head and mode == "int4"
     if head is not None and head.weight is model.get_input_embeddings().weight and not keep_head:

@@ -81,7 +81,7 @@ class ServerSettings:
     # The local model's precision (proxy/engine/precision.py): --dtype, --quantize, --fp32-head.
     dtype: str = "auto"
     quantize: str = "none"
-    fp32_head: bool | None = None  # None: on for a bf16/fp16 head
+    fp32_head: bool | None = None  # None: precision.default_fp32_head
 
 
 class LocalModel:
