@@ -28,7 +28,8 @@ MAX_NEW = 60
 # The tiny model's logits are a few tenths; bf16 rounds its activations to 2**-8 of their size,
 # so a batched verify can move a logit by ~1e-3. A gap beyond this is no near tie.
 TINY_BF16_TIE_EPSILON = 2e-2
-# The embedded model's logits are ~10-30: bf16 activations move them by a few hundredths.
+# The embedded model's logits are ~10-30: a batched verify in bf16 moves a token's logprob by
+# ~0.06, at most ~0.2 on the edit benchmark (docs/benchmarks.md, "Precision").
 EMBEDDED_BF16_TIE_EPSILON = 0.25
 
 
@@ -106,13 +107,6 @@ def test_auto_is_bf16_on_cuda_and_on_a_cpu_with_native_bf16(monkeypatch):
     assert resolve_dtype("float16", "cpu") == torch.float16
     with pytest.raises(ValueError, match="dtype must be one of auto, float32, bfloat16, float16"):
         resolve_dtype("fp8", "cpu")
-
-
-def test_the_command_lines_choices_are_the_engines():
-    from foretell import cli
-
-    assert cli.DTYPE_CHOICES == precision.DTYPE_CHOICES
-    assert cli.QUANTIZE_CHOICES == precision.QUANTIZE_CHOICES
 
 
 def test_precision_labels():

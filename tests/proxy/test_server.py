@@ -227,12 +227,13 @@ def test_sampling_with_a_prediction_speculates_and_seeds_replay_under_load(clien
     kwargs = dict(model=MODEL, prompt=PROMPT, max_tokens=40, temperature=0.02, seed=5,
                   extra_body={"top_k": 40, "prediction": {"type": "content", "content": prediction}})
     first = client.completions.create(**kwargs)
-    # The same seed again while another sampled request is in flight on the same engine.
+    # The same seed again while another sampled request is in flight on the same engine. The
+    # server's queue holds one request: whichever of the two finds it full retries its 429.
     with openai.OpenAI(base_url=client.base_url, api_key=API_KEY, max_retries=5) as other:
         background = threading.Thread(target=lambda: other.completions.create(
             model=MODEL, prompt="x = 1\n", max_tokens=20, temperature=1.0))
         background.start()
-        again = client.completions.create(**kwargs)
+        again = other.completions.create(**kwargs)
         background.join()
     assert again.choices[0].text == first.choices[0].text
     report = first.model_extra["speculation"]
