@@ -59,10 +59,9 @@ def top2_gap(model, ids: list[int]) -> float:
     return float(top[0] - top[1])
 
 
-def assert_greedy_equal(model, prompt_ids, got: list[int], expected: list[int], tie_epsilon: float):
-    """``got`` must equal ``expected`` token for token, except that the two may part at a near
-    tie: where they first differ, the target's top-2 logit gap must be below ``tie_epsilon``
-    (batched verification changes matmul shapes, so exact ties can flip). Anything else fails."""
+def _assert_parts_at_near_tie(got: list[int], expected: list[int], gap_at, tie_epsilon: float, what: str):
+    """``got`` equals ``expected``, or they part where ``gap_at(first)`` (the top-2 logit gap
+    after ``expected[:first]``) is below ``tie_epsilon``."""
     if got == expected:
         return
     first = next((i for i, (a, b) in enumerate(zip(got, expected)) if a != b), None)
@@ -70,11 +69,19 @@ def assert_greedy_equal(model, prompt_ids, got: list[int], expected: list[int], 
         raise AssertionError(
             f"lengths differ without a differing token: got {len(got)}, expected {len(expected)}"
         )
-    gap = top2_gap(model, list(prompt_ids) + expected[:first])
+    gap = gap_at(first)
     assert gap < tie_epsilon, (
-        f"output differs from greedy at token {first} ({got[first]} vs {expected[first]}) "
+        f"output differs from {what} at token {first} ({got[first]} vs {expected[first]}) "
         f"with a top-2 logit gap of {gap:.3g}: not a near tie"
     )
+
+
+def assert_greedy_equal(model, prompt_ids, got: list[int], expected: list[int], tie_epsilon: float):
+    """``got`` must equal ``expected`` token for token, except that the two may part at a near
+    tie: where they first differ, the target's top-2 logit gap must be below ``tie_epsilon``
+    (batched verification changes matmul shapes, so exact ties can flip). Anything else fails."""
+    _assert_parts_at_near_tie(got, expected, lambda first: top2_gap(model, list(prompt_ids) + expected[:first]),
+                              tie_epsilon, "greedy")
 
 
 def assert_equal_to_own_plain(engine, prompt_ids, got: list[int], plain: list[int], tie_epsilon: float):
@@ -84,22 +91,16 @@ def assert_equal_to_own_plain(engine, prompt_ids, got: list[int], plain: list[in
     ``tie_epsilon``. Anything else fails."""
     from foretell.proxy.engine import GenerationRequest
 
-    if got == plain:
-        return
-    first = next((i for i, (a, b) in enumerate(zip(got, plain)) if a != b), None)
-    if first is None:
-        raise AssertionError(f"lengths differ without a differing token: got {len(got)}, plain {len(plain)}")
-    # The gap where they part, in this precision: the plain context as the prompt, one token.
-    # (Not a replay of the plain request: a cached prompt prefix changes the pass's shapes, and
-    # in bf16 that alone can move a near tie.)
-    at = engine.generate(GenerationRequest(prompt_ids=list(prompt_ids) + plain[:first], max_tokens=1,
-                                           logprobs=2))
-    top = at.logprobs[0].top
-    gap = top[0][1] - top[1][1]
-    assert gap < tie_epsilon, (
-        f"output differs from this precision's plain decoding at token {first} ({got[first]} vs "
-        f"{plain[first]}) with a top-2 logit gap of {gap:.3g}: not a near tie"
-    )
+    def gap_at(first: int) -> float:
+        # In this precision, the plain context as the prompt, one token. (Not a replay of the
+        # plain request: a cached prompt prefix changes the pass's shapes, and in bf16 that
+        # alone can move a near tie.)
+        at = engine.generate(GenerationRequest(prompt_ids=list(prompt_ids) + plain[:first], max_tokens=1,
+                                               logprobs=2))
+        top = at.logprobs[0].top
+        return top[0][1] - top[1][1]
+
+    _assert_parts_at_near_tie(got, plain, gap_at, tie_epsilon, "this precision's plain decoding")
 
 
 def stop_string_cut(tokenizer, tokens: list[int], stop: str) -> tuple[list[int], str] | None:

@@ -182,7 +182,7 @@ def _local_precision(model: str, spec: dict) -> tuple[tuple[str, object], ...]:
                          "(local = true) only")
     for key, value in given:
         choices = {"dtype": DTYPE_CHOICES, "quantize": QUANTIZE_CHOICES, "fp32_head": (True, False)}[key]
-        if value not in choices or (key == "fp32_head") != isinstance(value, bool):
+        if not any(type(value) is type(choice) and value == choice for choice in choices):  # 1 is no True
             raise ValueError(f"model {model!r}: {key} must be one of "
                              f"{', '.join(str(c).lower() for c in choices)}, got {value!r}")
     return tuple(given)
