@@ -1,10 +1,11 @@
 """Greedy verification for speculative decoding.
 
 A draft source (a caller-supplied prediction, prompt lookup, a small model, ...)
-proposes up to K tokens per request. The target model scores them all in one
-forward pass, which yields K+1 rows of logits per request: row 0 is the
-target's distribution after the last token that was already accepted, and row
-j (1 <= j <= K) is its distribution after the j-th draft token.
+proposes ``k`` tokens for a sequence (``k >= 0``, different per sequence). The
+target model scores them all in one forward pass, which yields ``k + 1`` rows of
+logits for the sequence: row 0 is the target's distribution after the last token
+that was already accepted, and row j (1 <= j <= k) is its distribution after the
+j-th draft token.
 
 Under greedy decoding the target would have emitted ``target[j] = argmax(row j)``
 (the first index on ties, exactly like ``torch.argmax``), so verification is a
@@ -12,35 +13,38 @@ left-to-right comparison:
 
 * **accepted** tokens: the longest prefix of the draft that equals the target's
   own choices, ``draft[:n] == target[:n]``. ``n`` is ``num_accepted``.
-* **recovered** token: at the first mismatch (``n < num_draft``) the target's
-  choice ``target[n]`` replaces the rejected draft token.
-* **bonus** token: when every draft token was accepted (``n == num_draft``)
-  the last row still gives one more token for free, ``target[num_draft]``.
+* **recovered** token: at the first mismatch (``n < k``) the target's choice
+  ``target[n]`` replaces the rejected draft token.
+* **bonus** token: when every draft token was accepted (``n == k``) the last row
+  still gives one more token for free, ``target[k]``.
 
-Either way each request gains ``n + 1`` tokens per verify step, and the output
+Either way each sequence gains ``n + 1`` tokens per verify step, and the output
 is exactly what plain greedy decoding with the target would have produced.
 
-Batched layout (B requests, padded to the longest draft K):
+Flat batched layout (vLLM's): B sequences, sequence b has ``k_b >= 0`` drafts.
 
-* ``logits``       float  [B, K+1, V]  rows ``j > num_draft[b]`` are padding and
-  are never read by the kernel nor used by the reference (they may hold
-  garbage, even NaN).
-* ``draft_tokens`` int    [B, K]       valid for ``j < num_draft[b]``, padded with -1.
-* ``num_draft``    int    [B]          ``0 <= num_draft[b] <= K``; K may be 0.
+* ``cu_num_draft_tokens`` int [B]    the inclusive cumulative sum of ``k_b``:
+  ``k_b = cu[b] - cu[b-1]`` with ``cu[-1] = 0``. ``N = cu[B-1]`` (0 when B == 0).
+* ``draft_tokens``        int [N]    sequence b's drafts at ``[cu[b-1], cu[b])``.
+* ``logits``            float [N + B, V]  sequence b owns the ``k_b + 1`` rows
+  ``[row_start_b, row_start_b + k_b + 1)`` with ``row_start_b = cu[b-1] + b``.
+  There is no padding: every row is read.
 
-Returned:
+Returned (int64):
 
-* ``num_accepted``  int64 [B]
-* ``output_tokens`` int64 [B, K+1]  ``draft[b, :n]``, then ``target[b, n]``
-  (recovered or bonus), then -1 padding.
+* ``num_accepted``  [B]
+* ``output_tokens`` [N + B]  flat like the logits: at sequence b's rows,
+  ``draft[:n]``, then the recovered or bonus token at row ``row_start_b + n``,
+  then -1 to the end of its rows.
 
 Three entry points: :func:`greedy_verify_reference` (pure torch; the CPU path
-and the test oracle), :func:`greedy_verify_triton` (two Triton kernels) and
-:func:`greedy_verify` (dispatches to the kernel for CUDA tensors when Triton
-is available, else to the reference).
+and the test oracle), :func:`greedy_verify_triton` (two Triton kernels: an
+argmax per row, then an accept pass per sequence) and :func:`greedy_verify`
+(dispatches to the kernel for CUDA tensors when Triton is available, else to the
+reference).
 
-NaN in a *valid* row follows ``torch.argmax``: NaN counts as the maximum and
-the first NaN wins. Both implementations do that.
+NaN in a row follows ``torch.argmax``: NaN counts as the maximum and the first
+NaN wins. Both implementations do that.
 """
 
 from __future__ import annotations
@@ -48,6 +52,8 @@ from __future__ import annotations
 import contextlib
 
 import torch
+
+from foretell.kernels.launches import count_launch
 
 try:  # Triton is optional: the package (and its CPU path) must import without it.
     import triton
@@ -75,39 +81,60 @@ DEFAULT_BLOCK_K = 64
 
 
 def _check_inputs(
-    logits: torch.Tensor, draft_tokens: torch.Tensor, num_draft: torch.Tensor
+    logits: torch.Tensor, draft_tokens: torch.Tensor, cu_num_draft_tokens: torch.Tensor
 ) -> tuple[int, int, int]:
-    """Validate shapes, dtypes and devices; return (B, K, V). Raises ValueError."""
-    for name, t in (("logits", logits), ("draft_tokens", draft_tokens), ("num_draft", num_draft)):
+    """Validate types, shapes, dtypes and devices without reading values; return (B, N, V).
+
+    N is ``draft_tokens.shape[0]``. Raises ValueError.
+    """
+    tensors = (("logits", logits), ("draft_tokens", draft_tokens), ("cu_num_draft_tokens", cu_num_draft_tokens))
+    for name, t in tensors:
         if not isinstance(t, torch.Tensor):
             raise ValueError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-    if logits.dim() != 3:
-        raise ValueError(f"logits must be 3-D [B, K+1, V], got shape {tuple(logits.shape)}")
+    if logits.dim() != 2:
+        raise ValueError(f"logits must be 2-D [N + B, V], got shape {tuple(logits.shape)}")
     if not logits.is_floating_point():
         raise ValueError(f"logits must be a floating-point tensor, got {logits.dtype}")
-    B, K1, V = logits.shape
-    if K1 < 1:
-        raise ValueError(f"logits must have K+1 >= 1 rows per request, got shape {tuple(logits.shape)}")
-    if V < 1:
+    if logits.shape[1] < 1:
         raise ValueError(f"logits must have a non-empty vocabulary dimension, got shape {tuple(logits.shape)}")
-    K = K1 - 1
-    if draft_tokens.dim() != 2 or tuple(draft_tokens.shape) != (B, K):
+    if draft_tokens.dim() != 1:
+        raise ValueError(f"draft_tokens must be 1-D [N], got shape {tuple(draft_tokens.shape)}")
+    if cu_num_draft_tokens.dim() != 1:
+        raise ValueError(f"cu_num_draft_tokens must be 1-D [B], got shape {tuple(cu_num_draft_tokens.shape)}")
+    for name, t in tensors[1:]:
+        if t.dtype not in _INT_DTYPES:
+            raise ValueError(f"{name} must be int64 or int32, got {t.dtype}")
+    if draft_tokens.device != logits.device or cu_num_draft_tokens.device != logits.device:
         raise ValueError(
-            f"draft_tokens must have shape [B, K] = [{B}, {K}] to match logits "
-            f"{tuple(logits.shape)}, got {tuple(draft_tokens.shape)}"
+            "logits, draft_tokens and cu_num_draft_tokens must be on the same device, got "
+            f"{logits.device}, {draft_tokens.device}, {cu_num_draft_tokens.device}"
         )
-    if draft_tokens.dtype not in _INT_DTYPES:
-        raise ValueError(f"draft_tokens must be int64 or int32, got {draft_tokens.dtype}")
-    if num_draft.dim() != 1 or num_draft.shape[0] != B:
-        raise ValueError(f"num_draft must have shape [B] = [{B}], got {tuple(num_draft.shape)}")
-    if num_draft.dtype not in _INT_DTYPES:
-        raise ValueError(f"num_draft must be int64 or int32, got {num_draft.dtype}")
-    if draft_tokens.device != logits.device or num_draft.device != logits.device:
+    num_rows, V = logits.shape
+    N, B = draft_tokens.shape[0], cu_num_draft_tokens.shape[0]
+    if B == 0 and N != 0:
+        raise ValueError(f"draft_tokens must be empty when there are no sequences (B = 0), got N = {N}")
+    if num_rows != N + B:
         raise ValueError(
-            "logits, draft_tokens and num_draft must be on the same device, got "
-            f"{logits.device}, {draft_tokens.device}, {num_draft.device}"
+            f"logits must have N + B = {N} + {B} = {N + B} rows (one per draft token plus one per "
+            f"sequence), got {num_rows}"
         )
-    return B, K, V
+    return B, N, V
+
+
+def _check_cu_values(cu: torch.Tensor, N: int) -> None:
+    """The reference's value check of ``cu_num_draft_tokens`` (synchronises on CUDA)."""
+    if cu.shape[0] == 0:
+        return
+    cu = cu.to(torch.int64)
+    first, decreasing, last = torch.stack([cu[0], (cu[1:] < cu[:-1]).any().to(torch.int64), cu[-1]]).tolist()
+    if first < 0:
+        raise ValueError(f"cu_num_draft_tokens must be non-negative, got {cu.tolist()}")
+    if decreasing:
+        raise ValueError(f"cu_num_draft_tokens must be non-decreasing (an inclusive cumsum), got {cu.tolist()}")
+    if last != N:
+        raise ValueError(
+            f"cu_num_draft_tokens must end at N = draft_tokens.shape[0] = {N}, got {cu.tolist()}"
+        )
 
 
 # --------------------------------------------------------------------------- #
@@ -116,40 +143,52 @@ def _check_inputs(
 
 
 def greedy_verify_reference(
-    logits: torch.Tensor, draft_tokens: torch.Tensor, num_draft: torch.Tensor
+    logits: torch.Tensor, draft_tokens: torch.Tensor, cu_num_draft_tokens: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Greedy verify in plain torch (CPU or CUDA). See the module docstring.
 
-    Returns ``(num_accepted [B] int64, output_tokens [B, K+1] int64)``.
-    Raises ValueError on bad shapes/dtypes/devices or if some
-    ``num_draft[b]`` lies outside ``[0, K]`` (that check synchronises on CUDA).
+    Returns ``(num_accepted [B] int64, output_tokens [N + B] int64)``.
+    Raises ValueError on bad types/shapes/dtypes/devices, or if ``cu_num_draft_tokens``
+    is negative, decreasing or does not end at ``N`` (that check synchronises on CUDA).
     """
-    B, K, V = _check_inputs(logits, draft_tokens, num_draft)
+    B, N, V = _check_inputs(logits, draft_tokens, cu_num_draft_tokens)
+    _check_cu_values(cu_num_draft_tokens, N)
     device = logits.device
-    n = num_draft.to(torch.int64)
-    if B > 0 and bool(((n < 0) | (n > K)).any()):
-        raise ValueError(f"num_draft values must lie in [0, K] = [0, {K}], got {n.tolist()}")
+    num_rows = N + B
+    if B == 0:
+        return torch.empty(0, dtype=torch.int64, device=device), torch.empty(0, dtype=torch.int64, device=device)
 
-    # target[b, j]: the target's greedy choice after j draft tokens. Padding rows
-    # (j > num_draft[b]) get an argmax too, possibly of garbage/NaN, but every
-    # use below is masked so they never reach the output.
-    target = logits.argmax(dim=-1)  # [B, K+1] int64, first index on ties
-    draft = draft_tokens.to(torch.int64)  # [B, K]
-    pos = torch.arange(K + 1, device=device)  # [K+1]
+    cu = cu_num_draft_tokens.to(torch.int64)  # [B]
+    draft_start = torch.cat([cu.new_zeros(1), cu[:-1]])  # [B] cu[b-1]
+    k = cu - draft_start  # [B]
+    seqs = torch.arange(B, device=device)  # [B]
+    row_start = draft_start + seqs  # [B]
 
-    # A draft position counts only inside the draft; the accepted prefix ends at
-    # the first position that is not a match.
-    match = (draft == target[:, :K]) & (pos[:K].unsqueeze(0) < n.unsqueeze(1))  # [B, K]
-    num_accepted = match.to(torch.int64).cumprod(dim=1).sum(dim=1)  # [B]
+    # target[r]: the target's greedy choice at row r, first index on ties.
+    target = logits.argmax(dim=-1)  # [N + B] int64
 
-    na = num_accepted.unsqueeze(1)  # [B, 1]
-    next_token = target.gather(1, na)  # [B, 1] recovered or bonus
-    draft_ext = torch.cat([draft, draft.new_full((B, 1), -1)], dim=1)  # [B, K+1]
+    # Draft token i of sequence s sits at position j = i - cu[s-1]; the row that judges it is
+    # row_start[s] + j = i + s.
+    draft = draft_tokens.to(torch.int64)  # [N]
+    seq_of_draft = torch.repeat_interleave(seqs, k, output_size=N)  # [N]
+    pos_of_draft = torch.arange(N, device=device) - draft_start[seq_of_draft]  # [N]
+    mismatch = draft != target[torch.arange(N, device=device) + seq_of_draft]  # [N]
+    # num_accepted[s] = the first mismatching position of s, else k[s].
+    num_accepted = k.scatter_reduce(
+        0, seq_of_draft, torch.where(mismatch, pos_of_draft, k[seq_of_draft]), reduce="amin"
+    )  # [B]
+
+    # Row r of sequence s is position p = r - row_start[s]; its draft (when p < k[s]) is
+    # draft[r - s], an index in [0, N] (N only past the last draft, hence the -1 sentinel).
+    rows = torch.arange(num_rows, device=device)  # [N + B]
+    seq_of_row = torch.repeat_interleave(seqs, k + 1, output_size=num_rows)  # [N + B]
+    pos = rows - row_start[seq_of_row]  # [N + B]
+    na = num_accepted[seq_of_row]  # [N + B]
+    draft_ext = torch.cat([draft, draft.new_full((1,), -1)])  # [N + 1]
+    from_draft = draft_ext[rows - seq_of_row]  # [N + B]
     output_tokens = torch.where(
-        pos.unsqueeze(0) < na,
-        draft_ext,
-        torch.where(pos.unsqueeze(0) == na, next_token, torch.full_like(draft_ext, -1)),
-    )
+        pos < na, from_draft, torch.where(pos == na, target, torch.full_like(target, -1))
+    )  # [N + B]: recovered or bonus at p == n is target[row_start + n]
     return num_accepted, output_tokens
 
 
@@ -161,37 +200,28 @@ if HAVE_TRITON:
 
     @triton.jit
     def _row_argmax_kernel(
-        logits_ptr,  # [B, K+1, V] fp32/fp16/bf16, unit stride along V
-        num_draft_ptr,  # [B] int32/int64
-        target_ptr,  # [B, K+1] int64, written for rows j <= num_draft[b] only
-        stride_lb,  # logits stride along B (elements)
-        stride_lj,  # logits stride along K+1 (elements)
-        K,  # number of draft slots (logits.shape[1] - 1)
+        logits_ptr,  # [N + B, V] fp32/fp16/bf16, unit stride along V
+        target_ptr,  # [N + B] int64
+        stride_lr,  # logits stride along rows (elements)
         V,  # vocabulary size
         BLOCK_V: tl.constexpr,
     ):
-        """target[b, j] = first-index argmax of logits[b, j, :] (NaN counts as max)."""
-        b = tl.program_id(0)
-        j = tl.program_id(1)
-        n = tl.load(num_draft_ptr + b).to(tl.int32)
-        n = tl.minimum(tl.maximum(n, 0), K)
-        if j > n:  # padding row: never read it, it may hold garbage
-            return
-
-        row_ptr = logits_ptr + b.to(tl.int64) * stride_lb + j.to(tl.int64) * stride_lj
-        lanes = tl.arange(0, BLOCK_V)
+        """target[r] = first-index argmax of logits[r, :] (NaN counts as max). One program per row."""
+        r = tl.program_id(0)
+        row_ptr = logits_ptr + r.to(tl.int64) * stride_lr
+        lanes = tl.arange(0, BLOCK_V)  # [BLOCK_V]
 
         # Per-lane running state. Lane i sees indices i, i+BLOCK_V, i+2*BLOCK_V, ...
         # in increasing order and only moves to a later index when it is strictly
         # greater, so each lane holds the first index of its own maximum. A NaN
         # beats any number and, once a lane holds a NaN, nothing replaces it
         # (x > NaN is false), so the lane keeps its first NaN.
-        best_val = tl.full([BLOCK_V], float("-inf"), tl.float32)
-        best_idx = lanes
+        best_val = tl.full([BLOCK_V], float("-inf"), tl.float32)  # [BLOCK_V]
+        best_idx = lanes  # [BLOCK_V]
         for start in range(0, V, BLOCK_V):
-            offs = start + lanes
-            x = tl.load(row_ptr + offs, mask=offs < V, other=float("-inf")).to(tl.float32)
-            better = (x > best_val) | ((x != x) & (best_val == best_val))
+            offs = start + lanes  # [BLOCK_V]
+            x = tl.load(row_ptr + offs, mask=offs < V, other=float("-inf")).to(tl.float32)  # [BLOCK_V]
+            better = (x > best_val) | ((x != x) & (best_val == best_val))  # [BLOCK_V]
             best_val = tl.where(better, x, best_val)
             best_idx = tl.where(better, offs, best_idx)
 
@@ -199,50 +229,55 @@ if HAVE_TRITON:
         # (or holding a NaN, if any lane does). If the whole row is -inf, no lane
         # ever moved and lane 0 still holds index 0, which is torch's answer.
         big = 2147483647
-        is_nan = best_val != best_val
-        nan_idx = tl.min(tl.where(is_nan, best_idx, big), axis=0)
-        row_max = tl.max(tl.where(is_nan, float("-inf"), best_val), axis=0)
-        max_idx = tl.min(tl.where(best_val == row_max, best_idx, big), axis=0)
+        is_nan = best_val != best_val  # [BLOCK_V]
+        nan_idx = tl.min(tl.where(is_nan, best_idx, big), axis=0)  # []
+        row_max = tl.max(tl.where(is_nan, float("-inf"), best_val), axis=0)  # []
+        max_idx = tl.min(tl.where(best_val == row_max, best_idx, big), axis=0)  # []
         result = tl.where(nan_idx < big, nan_idx, max_idx)
-        tl.store(target_ptr + b.to(tl.int64) * (K + 1) + j, result.to(tl.int64))
+        tl.store(target_ptr + r, result.to(tl.int64))
 
     @triton.jit
     def _accept_kernel(
-        draft_ptr,  # [B, K] int32/int64, contiguous, -1 padded
-        num_draft_ptr,  # [B] int32/int64
-        target_ptr,  # [B, K+1] int64, valid for rows j <= num_draft[b]
+        draft_ptr,  # [N] int32/int64, contiguous
+        cu_ptr,  # [B] int32/int64, inclusive cumsum of the draft counts
+        target_ptr,  # [N + B] int64 from _row_argmax_kernel
         num_accepted_ptr,  # [B] int64
-        output_ptr,  # [B, K+1] int64, contiguous
-        K,  # number of draft slots
+        output_ptr,  # [N + B] int64, contiguous
+        N,  # number of draft tokens (draft_tokens.shape[0])
         BLOCK_K: tl.constexpr,
     ):
-        """One program per request: accepted prefix, then recovered/bonus token."""
-        b = tl.program_id(0).to(tl.int64)
-        n = tl.load(num_draft_ptr + b).to(tl.int32)
-        n = tl.minimum(tl.maximum(n, 0), K)
-        draft_row = draft_ptr + b * K
-        target_row = target_ptr + b * (K + 1)
-        lanes = tl.arange(0, BLOCK_K)
+        """One program per sequence: accepted prefix, then recovered/bonus token.
 
-        # num_accepted = first position < n where draft != target, else n.
-        first = n
-        for start in range(0, K, BLOCK_K):
-            offs = start + lanes
-            in_draft = offs < n
-            d = tl.load(draft_row + offs, mask=in_draft, other=-1).to(tl.int64)
-            t = tl.load(target_row + offs, mask=in_draft, other=-1)
+        ``cu`` is clamped, never trusted: start in [0, N], end in [start, N], so with any
+        values every access stays inside [0, N) for drafts and [0, N + B) for rows.
+        """
+        b = tl.program_id(0)
+        start = tl.minimum(tl.maximum(tl.load(cu_ptr + b - 1, mask=b > 0, other=0), 0), N).to(tl.int32)  # []
+        end = tl.minimum(tl.maximum(tl.load(cu_ptr + b), start), N).to(tl.int32)  # []
+        k = end - start  # [] draft count
+        draft_seq = draft_ptr + start  # this sequence's drafts
+        target_seq = target_ptr + (start + b)  # this sequence's k + 1 rows
+        lanes = tl.arange(0, BLOCK_K)  # [BLOCK_K]
+
+        # num_accepted = first position < k where draft != target, else k.
+        first = k
+        for j0 in range(0, k, BLOCK_K):
+            offs = j0 + lanes  # [BLOCK_K]
+            in_draft = offs < k
+            d = tl.load(draft_seq + offs, mask=in_draft, other=-1).to(tl.int64)  # [BLOCK_K]
+            t = tl.load(target_seq + offs, mask=in_draft, other=-1)  # [BLOCK_K]
             mismatch = in_draft & (d != t)
-            first = tl.minimum(first, tl.min(tl.where(mismatch, offs, n), axis=0))
+            first = tl.minimum(first, tl.min(tl.where(mismatch, offs, k), axis=0))
         tl.store(num_accepted_ptr + b, first.to(tl.int64))
 
-        # Recovered token (first < n) or bonus token (first == n): target[first].
-        next_token = tl.load(target_row + first)
-        out_row = output_ptr + b * (K + 1)
-        for start in range(0, K + 1, BLOCK_K):
-            offs = start + lanes
-            d = tl.load(draft_row + offs, mask=offs < first, other=-1).to(tl.int64)
-            out = tl.where(offs < first, d, tl.where(offs == first, next_token, -1))
-            tl.store(out_row + offs, out, mask=offs < K + 1)
+        # Recovered token (first < k) or bonus token (first == k): target[first].
+        next_token = tl.load(target_seq + first)  # []
+        out_seq = output_ptr + (start + b)
+        for j0 in range(0, k + 1, BLOCK_K):
+            offs = j0 + lanes  # [BLOCK_K]
+            d = tl.load(draft_seq + offs, mask=offs < first, other=-1).to(tl.int64)  # [BLOCK_K]
+            out = tl.where(offs < first, d, tl.where(offs == first, next_token, -1))  # [BLOCK_K]
+            tl.store(out_seq + offs, out, mask=offs < k + 1)
 
 
 def _kernels_interpreted() -> bool:
@@ -269,7 +304,7 @@ def _kernels_interpreted() -> bool:
 def greedy_verify_triton(
     logits: torch.Tensor,
     draft_tokens: torch.Tensor,
-    num_draft: torch.Tensor,
+    cu_num_draft_tokens: torch.Tensor,
     *,
     block_v: int = DEFAULT_BLOCK_V,
     block_k: int = DEFAULT_BLOCK_K,
@@ -282,15 +317,17 @@ def greedy_verify_triton(
     ``logits`` may be fp32, fp16 or bf16; it is compared in fp32 in the kernel.
     ``block_v`` / ``block_k`` (powers of two) are the vocabulary and draft tiles.
 
-    Unlike the reference, ``num_draft`` values are not range-checked here (that
-    would synchronise the device); the kernels clamp them to ``[0, K]``.
+    Nothing here reads a value from the device: N is ``draft_tokens.shape[0]``, and
+    ``cu_num_draft_tokens`` is not checked (the reference does that); the kernel clamps
+    it so that bad values never read or write out of bounds. Counts one launch of
+    ``"greedy_verify"`` per call that launches (B > 0).
     """
     if not HAVE_TRITON:
         raise RuntimeError(
             "greedy_verify_triton needs the 'triton' package, which is not importable; "
             "use greedy_verify (falls back to the torch reference) or install triton"
         )
-    B, K, V = _check_inputs(logits, draft_tokens, num_draft)
+    B, N, V = _check_inputs(logits, draft_tokens, cu_num_draft_tokens)
     if logits.dtype not in _KERNEL_FLOAT_DTYPES:
         raise ValueError(f"logits must be float32, float16 or bfloat16 for the Triton kernel, got {logits.dtype}")
     for name, blk in (("block_v", block_v), ("block_k", block_k)):
@@ -305,36 +342,34 @@ def greedy_verify_triton(
         raise ValueError(f"greedy_verify_triton supports CUDA tensors only, got device {logits.device}")
 
     device = logits.device
+    num_rows = N + B
     num_accepted = torch.empty(B, dtype=torch.int64, device=device)
-    output_tokens = torch.empty(B, K + 1, dtype=torch.int64, device=device)
+    output_tokens = torch.empty(num_rows, dtype=torch.int64, device=device)
     if B == 0:
         return num_accepted, output_tokens
 
-    if logits.stride(2) != 1:
+    if logits.stride(1) != 1:
         logits = logits.contiguous()
     draft_tokens = draft_tokens.contiguous()
-    num_draft = num_draft.contiguous()
-    # Only rows j <= num_draft[b] are written (and read back).
-    target = torch.empty(B, K + 1, dtype=torch.int64, device=device)
+    cu_num_draft_tokens = cu_num_draft_tokens.contiguous()
+    target = torch.empty(num_rows, dtype=torch.int64, device=device)
 
+    count_launch("greedy_verify")
     with torch.cuda.device(device) if logits.is_cuda else contextlib.nullcontext():
-        _row_argmax_kernel[(B, K + 1)](
+        _row_argmax_kernel[(num_rows,)](
             logits,
-            num_draft,
             target,
             logits.stride(0),
-            logits.stride(1),
-            K,
             V,
             BLOCK_V=block_v,
         )
         _accept_kernel[(B,)](
             draft_tokens,
-            num_draft,
+            cu_num_draft_tokens,
             target,
             num_accepted,
             output_tokens,
-            K,
+            N,
             BLOCK_K=block_k,
         )
     return num_accepted, output_tokens
@@ -346,14 +381,14 @@ def greedy_verify_triton(
 
 
 def greedy_verify(
-    logits: torch.Tensor, draft_tokens: torch.Tensor, num_draft: torch.Tensor
+    logits: torch.Tensor, draft_tokens: torch.Tensor, cu_num_draft_tokens: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Greedy verify: the Triton kernel for CUDA tensors when Triton is available, else the reference.
 
     (CUDA logits in a dtype the kernel does not take, e.g. float64, also go to the reference.)
 
-    Returns ``(num_accepted [B] int64, output_tokens [B, K+1] int64)``.
+    Returns ``(num_accepted [B] int64, output_tokens [N + B] int64)``.
     """
     if logits.is_cuda and HAVE_TRITON and logits.dtype in _KERNEL_FLOAT_DTYPES:
-        return greedy_verify_triton(logits, draft_tokens, num_draft)
-    return greedy_verify_reference(logits, draft_tokens, num_draft)
+        return greedy_verify_triton(logits, draft_tokens, cu_num_draft_tokens)
+    return greedy_verify_reference(logits, draft_tokens, cu_num_draft_tokens)

@@ -1,15 +1,16 @@
-"""Tests for foretell.kernels.greedy_verify.
+"""Tests for foretell.kernels.greedy_verify (flat layout).
 
-The Triton kernel is run through Triton's interpreter on CPU tensors, so the
-environment variable must be set before triton / foretell.kernels are imported:
-``triton.jit`` decides at decoration time (i.e. when triton.language and the
-kernel module are imported) whether it builds an interpreted or a compiled
-function.
+On CPU the Triton kernels run through Triton's interpreter, so the environment
+variable must be set before triton / foretell.kernels are imported: ``triton.jit``
+decides at decoration time (i.e. when triton.language and the kernel module are
+imported) whether it builds an interpreted or a compiled function. With
+``FORETELL_TEST_DEVICE=cuda`` every tensor is built on the GPU and the compiled
+kernels run instead.
 """
 
 import os
 
-os.environ["TRITON_INTERPRET"] = "1"
+os.environ.setdefault("TRITON_INTERPRET", "0" if os.environ.get("FORETELL_TEST_DEVICE") == "cuda" else "1")
 
 import builtins  # noqa: E402
 import importlib  # noqa: E402
@@ -20,20 +21,24 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 
 import foretell.kernels  # noqa: E402
+from foretell.kernels.launches import LAUNCHES  # noqa: E402
 
 # `foretell.kernels.greedy_verify` as an attribute is the *function* re-exported by
 # the package __init__, so the module has to be taken from sys.modules.
 gv = importlib.import_module("foretell.kernels.greedy_verify")
 
+DEVICE = torch.device(os.environ.get("FORETELL_TEST_DEVICE", "cpu"))
+
 
 @pytest.fixture
 def interpreter_active():
-    # TRITON_INTERPRET is read when `triton` itself is imported (triton.language's
-    # own helpers such as tl.max are @jit functions too) and when our kernels are
-    # decorated. If anything imported triton before this module set the variable,
-    # the kernels are compiled ones and cannot run on CPU tensors; reloading our
-    # module does not help because triton.language stays compiled.
-    if not gv._kernels_interpreted():
+    # On CPU the kernels need Triton's interpreter. TRITON_INTERPRET is read when
+    # `triton` itself is imported (triton.language's own helpers such as tl.max are
+    # @jit functions too) and when our kernels are decorated. If anything imported
+    # triton before this module set the variable, the kernels are compiled ones and
+    # cannot run on CPU tensors; reloading our module does not help because
+    # triton.language stays compiled. On CUDA the compiled kernels run: nothing to check.
+    if DEVICE.type == "cpu" and not gv._kernels_interpreted():
         pytest.fail(
             "Triton's interpreter is not active: triton or foretell.kernels was imported before "
             "TRITON_INTERPRET=1 was set. Run this test module on its own or export TRITON_INTERPRET=1."
@@ -55,21 +60,58 @@ greedy_verify_triton = gv.greedy_verify_triton
 # --------------------------------------------------------------------------- #
 
 
+def dev(*tensors):
+    out = tuple(t.to(DEVICE) for t in tensors)
+    return out if len(out) > 1 else out[0]
+
+
+def cu_of(ks):
+    """Inclusive cumsum of the per-sequence draft counts, int64, on DEVICE."""
+    return dev(torch.tensor(list(ks), dtype=torch.int64).cumsum(0))
+
+
+def spans(cu):
+    """Per sequence: (draft_start, k, row_start), from an inclusive cumsum."""
+    out, prev = [], 0
+    for b, c in enumerate(cu.tolist()):
+        out.append((prev, c - prev, prev + b))
+        prev = c
+    return out
+
+
+def split(output_tokens, cu):
+    """Flat output -> list of per-sequence lists."""
+    out = output_tokens.tolist()
+    return [out[rs:rs + k + 1] for _, k, rs in spans(cu)]
+
+
 def assert_same(got, want):
     """Exact equality of (num_accepted, output_tokens), dtypes and shapes included."""
     (na_g, out_g), (na_w, out_w) = got, want
     assert na_g.dtype == torch.int64 and out_g.dtype == torch.int64
     assert na_g.shape == na_w.shape and out_g.shape == out_w.shape
-    assert torch.equal(na_g, na_w), f"num_accepted {na_g.tolist()} != {na_w.tolist()}"
-    assert torch.equal(out_g, out_w), f"output_tokens\n{out_g}\n!=\n{out_w}"
+    assert torch.equal(na_g.cpu(), na_w.cpu()), f"num_accepted {na_g.tolist()} != {na_w.tolist()}"
+    assert torch.equal(out_g.cpu(), out_w.cpu()), f"output_tokens\n{out_g}\n!=\n{out_w}"
 
 
-def check_kernel(logits, draft, num_draft, **kw):
+def check_kernel(logits, draft, cu, **kw):
     """Kernel == reference, exactly. Returns the reference result."""
-    want = greedy_verify_reference(logits, draft, num_draft)
-    got = greedy_verify_triton(logits, draft, num_draft, **kw)
+    want = greedy_verify_reference(logits, draft, cu)
+    got = greedy_verify_triton(logits, draft, cu, **kw)
     assert_same(got, want)
     return want
+
+
+def per_sequence_oracle(fn, logits, draft, cu):
+    """The engine's former loop: ``fn`` once per sequence with B = 1, results concatenated."""
+    num_accepted, outputs = [], []
+    for ds, k, rs in spans(cu):
+        na, out = fn(logits[rs:rs + k + 1], draft[ds:ds + k], dev(torch.tensor([k])))
+        assert na.shape == (1,) and out.shape == (k + 1,)
+        num_accepted.append(na)
+        outputs.append(out)
+    empty = dev(torch.empty(0, dtype=torch.int64))
+    return torch.cat(num_accepted or [empty]), torch.cat(outputs or [empty])
 
 
 def first_max_index(values):
@@ -81,47 +123,38 @@ def first_max_index(values):
     return best_i
 
 
-def loop_oracle(logits, draft, num_draft):
+def loop_oracle(logits, draft, cu):
     """Hand-written greedy verify: walk the positions, compare draft with argmax."""
-    B, K1, _ = logits.shape
     num_accepted, outputs = [], []
-    for b in range(B):
-        n = int(num_draft[b])
+    for ds, k, rs in spans(cu):
         row = []
-        for j in range(n + 1):
-            t = first_max_index(logits[b, j].tolist())
+        for j in range(k + 1):
+            t = first_max_index(logits[rs + j].tolist())
             row.append(t)
-            if j == n or int(draft[b, j]) != t:
+            if j == k or int(draft[ds + j]) != t:
                 break
         num_accepted.append(len(row) - 1)
-        outputs.append(row + [-1] * (K1 - len(row)))
-    return (
-        torch.tensor(num_accepted, dtype=torch.int64),
-        torch.tensor(outputs, dtype=torch.int64).reshape(B, K1),
-    )
+        outputs += row + [-1] * (k + 1 - len(row))
+    return torch.tensor(num_accepted, dtype=torch.int64), torch.tensor(outputs, dtype=torch.int64)
 
 
-def make_case(B, K, V, *, seed, accept_prob=0.7, dtype=torch.float32, garbage=True, num_draft=None):
-    """Random logits, and drafts that follow the target's argmax with probability
-    accept_prob per position (else a random token), padded with -1. Padding rows
-    of the logits get NaN/inf garbage when `garbage`."""
+def make_case(ks, V, *, seed, accept_prob=0.7, dtype=torch.float32):
+    """Random flat logits [N + B, V] and drafts that follow the target's argmax with
+    probability accept_prob per position (else a random token). Returns tensors on DEVICE."""
     g = torch.Generator().manual_seed(seed)
-    logits = torch.randn(B, K + 1, V, generator=g).to(dtype)
-    if num_draft is None:
-        num_draft = torch.randint(0, K + 1, (B,), generator=g)
-    num_draft = torch.as_tensor(num_draft, dtype=torch.int64)
+    ks = torch.as_tensor(list(ks), dtype=torch.int64)
+    B, N = ks.shape[0], int(ks.sum())
+    logits = torch.randn(N + B, V, generator=g).to(dtype)
     target = logits.argmax(dim=-1)
-    random_tokens = torch.randint(0, V, (B, K), generator=g)
-    follow = torch.rand(B, K, generator=g) < accept_prob
-    draft = torch.where(follow, target[:, :K], random_tokens)
-    pos = torch.arange(K + 1)
-    draft[pos[:K].unsqueeze(0) >= num_draft.unsqueeze(1)] = -1
-    if garbage:
-        pad_rows = pos.unsqueeze(0) > num_draft.unsqueeze(1)  # [B, K+1]
-        junk = torch.tensor([float("nan"), float("inf"), -float("inf"), 1e4], dtype=torch.float32)
-        fill = junk[torch.randint(0, 4, (B, K + 1, V), generator=g)].to(dtype)
-        logits = torch.where(pad_rows.unsqueeze(-1), fill, logits)
-    return logits, draft, num_draft
+    seq_of_draft = torch.repeat_interleave(torch.arange(B), ks)
+    follow = torch.rand(N, generator=g) < accept_prob
+    draft = torch.where(follow, target[torch.arange(N) + seq_of_draft], torch.randint(0, V, (N,), generator=g))
+    return dev(logits, draft, ks.cumsum(0))
+
+
+def random_ks(B, K, seed):
+    """B draft counts in [0, K]."""
+    return torch.randint(0, K + 1, (B,), generator=torch.Generator().manual_seed(seed)).tolist()
 
 
 # --------------------------------------------------------------------------- #
@@ -130,22 +163,42 @@ def make_case(B, K, V, *, seed, accept_prob=0.7, dtype=torch.float32, garbage=Tr
 
 
 @needs_triton
-def test_kernels_run_in_interpreter_on_cpu():
-    assert os.environ.get("TRITON_INTERPRET") == "1"
-    assert type(gv._row_argmax_kernel).__name__ == "InterpretedFunction"
-    assert type(gv._accept_kernel).__name__ == "InterpretedFunction"
-    logits = torch.zeros(1, 2, 8)
-    logits[0, 0, 3] = 1.0
-    logits[0, 1, 6] = 1.0
-    na, out = greedy_verify_triton(logits, torch.tensor([[3]]), torch.tensor([1]))
-    assert na.device.type == "cpu"
-    assert na.tolist() == [1] and out.tolist() == [[3, 6]]
+def test_kernels_smoke():
+    if DEVICE.type == "cpu":
+        assert os.environ.get("TRITON_INTERPRET") == "1"
+        assert type(gv._row_argmax_kernel).__name__ == "InterpretedFunction"
+        assert type(gv._accept_kernel).__name__ == "InterpretedFunction"
+    else:  # a CUDA run must test the compiled kernels, not the interpreter
+        assert not gv._kernels_interpreted()
+    # Two sequences: k = 1 (accepted, bonus 6) and k = 0 (bonus 2).
+    logits = torch.zeros(3, 8)
+    logits[0, 3] = logits[1, 6] = logits[2, 2] = 1.0
+    na, out = greedy_verify_triton(*dev(logits, torch.tensor([3]), torch.tensor([1, 1])))
+    assert na.device.type == DEVICE.type
+    assert na.tolist() == [1, 0] and out.tolist() == [3, 6, 2]
 
 
 def test_package_exports():
     assert foretell.kernels.greedy_verify_reference is greedy_verify_reference
     assert foretell.kernels.greedy_verify_triton is greedy_verify_triton
     assert foretell.kernels.greedy_verify is greedy_verify
+
+
+@needs_triton
+def test_launch_counter_counts_one_per_call():
+    logits, draft, cu = make_case([2, 0, 3], 40, seed=30)
+    before = LAUNCHES["greedy_verify"]
+    greedy_verify_triton(logits, draft, cu, block_v=16)
+    assert LAUNCHES["greedy_verify"] == before + 1  # two kernels, one count
+    greedy_verify_triton(logits, draft, cu, block_v=16)
+    assert LAUNCHES["greedy_verify"] == before + 2
+    greedy_verify_reference(logits, draft, cu)  # the reference launches nothing
+    assert LAUNCHES["greedy_verify"] == before + 2
+    # A call that fails its checks, or has no sequence, launches nothing.
+    with pytest.raises(ValueError):
+        greedy_verify_triton(logits[:-1], draft, cu)
+    greedy_verify_triton(*dev(torch.zeros(0, 5), torch.zeros(0, dtype=torch.long), torch.zeros(0, dtype=torch.long)))
+    assert LAUNCHES["greedy_verify"] == before + 2
 
 
 # --------------------------------------------------------------------------- #
@@ -155,76 +208,97 @@ def test_package_exports():
 
 @needs_triton
 @pytest.mark.parametrize(
-    "B,K,V,block_v",
+    "ks,V,block_v,block_k",
     [
-        (4, 5, 50, 1024),  # one block, mostly masked
-        (3, 4, 129, 64),  # V not a multiple of BLOCK_V, three blocks
-        (5, 6, 300, 64),  # five blocks, last one partial
-        (2, 3, 256, 64),  # exact multiple of BLOCK_V
+        ([5, 0, 3, 1], 50, 1024, 64),  # one block, mostly masked
+        ([4, 4, 0], 129, 64, 2),  # V not a multiple of BLOCK_V; drafts span several k-blocks
+        ([6, 2, 0, 5, 1], 300, 64, 4),  # five blocks, last one partial
+        ([0, 3], 256, 64, 1),  # exact multiple of BLOCK_V; one draft per k-block
     ],
 )
 @pytest.mark.parametrize("seed", [0, 1])
-def test_random_matches_reference(B, K, V, block_v, seed):
-    logits, draft, nd = make_case(B, K, V, seed=seed)
-    check_kernel(logits, draft, nd, block_v=block_v)
+def test_random_matches_reference(ks, V, block_v, block_k, seed):
+    logits, draft, cu = make_case(ks, V, seed=seed)
+    check_kernel(logits, draft, cu, block_v=block_v, block_k=block_k)
+
+
+@needs_triton
+@pytest.mark.parametrize("seed", [20, 21, 22])
+def test_flat_ragged_matches_reference_and_per_sequence_loop(seed):
+    # Ragged draft counts, zeros included (random_ks draws from [0, 6]; 0 forced in).
+    ks = random_ks(7, 6, seed)
+    ks[seed % 7] = 0
+    logits, draft, cu = make_case(ks, 70, seed=seed, accept_prob=0.8)
+    want = check_kernel(logits, draft, cu, block_v=32, block_k=4)
+    assert_same(per_sequence_oracle(greedy_verify_reference, logits, draft, cu), want)
+    assert_same(per_sequence_oracle(lambda *a: greedy_verify_triton(*a, block_v=32, block_k=4), logits, draft, cu), want)
+    assert_same(loop_oracle(logits.cpu(), draft.cpu(), cu.cpu()), want)
+    # Every sequence gains n + 1 tokens, at its own rows.
+    for (ds, k, rs), n, row in zip(spans(cu), want[0].tolist(), split(want[1], cu)):
+        assert 0 <= n <= k
+        assert row[:n] == draft[ds:ds + n].tolist()
+        assert row[n] == int(logits[rs + n].argmax()) and row[n + 1:] == [-1] * (k - n)
 
 
 @needs_triton
 @pytest.mark.parametrize("block_v", [32, 1024])
 def test_all_accepted_bonus_token(block_v):
-    B, K, V = 3, 4, 200
-    logits, _, _ = make_case(B, K, V, seed=3, garbage=False)
+    ks = [4, 4, 2]
+    logits, _, cu = make_case(ks, 200, seed=3)
     target = logits.argmax(dim=-1)
-    draft = target[:, :K].clone()
-    nd = torch.full((B,), K)
-    na, out = check_kernel(logits, draft, nd, block_v=block_v)
-    assert na.tolist() == [K] * B
-    assert torch.equal(out, target)  # K accepted drafts + bonus target[K]
+    # The drafts are exactly the target's choices: every row but each sequence's last.
+    last_rows = cu + torch.arange(len(ks), device=DEVICE)  # row_start + k
+    keep = torch.ones(target.shape[0], dtype=torch.bool, device=DEVICE)
+    keep[last_rows] = False
+    draft = target[keep]
+    na, out = check_kernel(logits, draft, cu, block_v=block_v)
+    assert na.tolist() == ks
+    assert torch.equal(out, target)  # k accepted drafts + bonus target[k], everywhere
 
 
 @needs_triton
 def test_first_draft_rejected():
-    B, K, V = 3, 4, 120
-    logits, _, _ = make_case(B, K, V, seed=4, garbage=False)
+    ks = [4, 1, 2]
+    logits, _, cu = make_case(ks, 120, seed=4)
     target = logits.argmax(dim=-1)
-    draft = target[:, :K].clone()
-    draft[:, 0] = (target[:, 0] + 1) % V
-    nd = torch.tensor([4, 1, 2])
-    draft[1, 1:] = -1
-    draft[2, 2:] = -1
-    na, out = check_kernel(logits, draft, nd, block_v=64)
+    draft = dev(torch.tensor([0, 0, 0, 0, 0, 0, 0]))
+    for ds, k, rs in spans(cu):  # first draft wrong, the rest right
+        draft[ds:ds + k] = target[rs:rs + k]
+        draft[ds] = (target[rs] + 1) % 120
+    na, out = check_kernel(logits, draft, cu, block_v=64)
     assert na.tolist() == [0, 0, 0]
-    assert out[:, 0].tolist() == target[:, 0].tolist()  # recovered token
-    assert (out[:, 1:] == -1).all()
+    for (ds, k, rs), row in zip(spans(cu), split(out, cu)):
+        assert row == [int(target[rs])] + [-1] * k  # recovered token, then -1
 
 
 @needs_triton
-def test_empty_drafts():
-    # num_draft == 0 with K > 0: only row 0 counts, the rest is garbage.
-    logits, draft, nd = make_case(3, 3, 90, seed=5, num_draft=[0, 0, 0])
-    assert (draft == -1).all()
-    na, out = check_kernel(logits, draft, nd, block_v=64)
-    assert na.tolist() == [0, 0, 0]
-    assert out[:, 0].tolist() == logits[:, 0].argmax(-1).tolist()
-    assert (out[:, 1:] == -1).all()
+def test_sequences_without_drafts():
+    # Some sequences have no draft: their only row gives the bonus token.
+    logits, draft, cu = make_case([0, 3, 0, 0], 90, seed=5)
+    na, out = check_kernel(logits, draft, cu, block_v=64)
+    rows = split(out, cu)
+    for (ds, k, rs), n, row in zip(spans(cu), na.tolist(), rows):
+        if k == 0:
+            assert n == 0 and row == [int(logits[rs].argmax())]
 
-    # K == 0: draft_tokens is [B, 0]; the output is the single bonus token.
-    logits = torch.randn(4, 1, 70, generator=torch.Generator().manual_seed(6))
-    draft = torch.empty(4, 0, dtype=torch.int64)
-    nd = torch.zeros(4, dtype=torch.int64)
-    na, out = check_kernel(logits, draft, nd, block_v=32)
+    # No drafts at all (every k = 0, N = 0): draft_tokens is [0], the output the bonus tokens.
+    logits = dev(torch.randn(4, 70, generator=torch.Generator().manual_seed(6)))
+    draft = dev(torch.empty(0, dtype=torch.int64))
+    cu = dev(torch.zeros(4, dtype=torch.int64))
+    na, out = check_kernel(logits, draft, cu, block_v=32)
     assert na.tolist() == [0] * 4
-    assert out.shape == (4, 1) and out[:, 0].tolist() == logits[:, 0].argmax(-1).tolist()
+    assert out.shape == (4,) and out.tolist() == logits.argmax(-1).tolist()
 
 
 @needs_triton
 def test_empty_batch():
-    logits = torch.randn(0, 3, 10)
-    draft = torch.empty(0, 2, dtype=torch.int64)
-    nd = torch.empty(0, dtype=torch.int64)
-    na, out = greedy_verify_triton(logits, draft, nd)
-    assert na.shape == (0,) and out.shape == (0, 3)
-    assert_same((na, out), greedy_verify_reference(logits, draft, nd))
+    logits = dev(torch.randn(0, 10))
+    draft = dev(torch.empty(0, dtype=torch.int64))
+    cu = dev(torch.empty(0, dtype=torch.int64))
+    na, out = greedy_verify_triton(logits, draft, cu)
+    assert na.shape == (0,) and out.shape == (0,)
+    assert_same((na, out), greedy_verify_reference(logits, draft, cu))
+    assert_same(greedy_verify(logits, draft, cu), (na, out))
 
 
 @needs_triton
@@ -244,65 +318,46 @@ def test_ties_take_first_index(dtype):
     for r, idx in enumerate(tie_sets):
         rows[r, idx] = 5.0
     # Plus a row that is entirely -inf (torch.argmax says 0) and an all-equal row.
-    rows = torch.cat([rows, torch.full((1, V), -float("inf")), torch.full((1, V), 2.5)]).to(dtype)
+    rows = dev(torch.cat([rows, torch.full((1, V), -float("inf")), torch.full((1, V), 2.5)]).to(dtype))
     n_rows = rows.shape[0]
     want = rows.argmax(dim=-1)
     assert want.tolist() == [min(s) for s in tie_sets] + [0, 0]
 
-    # One request whose K+1 rows are these rows, drafts = the expected argmax, so
+    # One sequence whose k+1 rows are these rows, drafts = the expected argmax, so
     # everything is accepted iff the kernel's argmax agrees on every row.
-    logits = rows.unsqueeze(0)
     K = n_rows - 1
-    draft = want[:K].unsqueeze(0).clone()
-    nd = torch.tensor([K])
-    na, out = check_kernel(logits, draft, nd, block_v=BLOCK_V)
+    na, out = check_kernel(rows, want[:K].clone(), dev(torch.tensor([K])), block_v=BLOCK_V)
     assert na.tolist() == [K]
-    assert out[0].tolist() == want.tolist()
+    assert out.tolist() == want.tolist()
 
-    # Same rows as row 0 of separate requests with no draft: each output is the argmax.
-    logits = rows.unsqueeze(1)  # [n_rows, 1, V]
-    na, out = check_kernel(logits, torch.empty(n_rows, 0, dtype=torch.int64), torch.zeros(n_rows, dtype=torch.int64), block_v=BLOCK_V)
-    assert out[:, 0].tolist() == want.tolist()
-
-
-@needs_triton
-def test_ragged_batch_with_garbage_padding():
-    B, K, V = 5, 5, 150
-    nd = torch.tensor([5, 0, 2, 3, 1])
-    logits, draft, nd = make_case(B, K, V, seed=8, num_draft=nd, accept_prob=0.9)
-    # Make the padding rows hostile: NaN everywhere except one huge spike.
-    pos = torch.arange(K + 1)
-    pad = pos.unsqueeze(0) > nd.unsqueeze(1)
-    assert pad.any()
-    logits[pad] = float("nan")
-    logits[pad.nonzero(as_tuple=True) + (torch.zeros(int(pad.sum()), dtype=torch.long),)] = 1e30
-    na, out = check_kernel(logits, draft, nd, block_v=64)
-    assert (na <= nd).all()
-    assert ((out != -1).sum(dim=1) == na + 1).all()
-    # Compare with the loop oracle too (it never reads padding rows).
-    assert_same((na, out), loop_oracle(logits, draft, nd))
+    # The same rows as separate sequences with no draft: each output is the argmax.
+    na, out = check_kernel(rows, dev(torch.empty(0, dtype=torch.int64)),
+                           dev(torch.zeros(n_rows, dtype=torch.int64)), block_v=BLOCK_V)
+    assert out.tolist() == want.tolist()
 
 
 @needs_triton
-def test_argmax_kernel_skips_padding_rows():
-    # Drive the argmax kernel directly: rows j > num_draft[b] must stay untouched.
-    B, K, V = 3, 4, 100
-    logits, _, nd = make_case(B, K, V, seed=16, num_draft=[4, 0, 2])
-    target = torch.full((B, K + 1), -7, dtype=torch.int64)
-    gv._row_argmax_kernel[(B, K + 1)](logits, nd, target, logits.stride(0), logits.stride(1), K, V, BLOCK_V=32)
-    pad = torch.arange(K + 1).unsqueeze(0) > nd.unsqueeze(1)
-    assert (target[pad] == -7).all()
-    assert torch.equal(target[~pad], logits.argmax(dim=-1)[~pad])
+def test_argmax_kernel_covers_every_row():
+    # Drive the argmax kernel directly: one program per row, every row written.
+    logits, _, cu = make_case([4, 0, 2], 100, seed=16)
+    target = dev(torch.full((logits.shape[0],), -7, dtype=torch.int64))
+    gv._row_argmax_kernel[(logits.shape[0],)](logits, target, logits.stride(0), 100, BLOCK_V=32)
+    assert torch.equal(target, logits.argmax(dim=-1))
 
 
 @needs_triton
-def test_kernel_clamps_out_of_range_num_draft():
-    # The launcher does not range-check num_draft (that would sync the GPU); the
-    # kernels clamp it to [0, K] so nothing is read or written out of bounds.
-    logits, draft, _ = make_case(2, 3, 60, seed=17, garbage=False, num_draft=[3, 3])
-    draft = logits.argmax(-1)[:, :3].clone()
-    got = greedy_verify_triton(logits, draft, torch.tensor([9, -2]), block_v=32)
-    assert_same(got, greedy_verify_reference(logits, draft, torch.tensor([3, 0])))
+def test_kernel_clamps_out_of_range_cu():
+    # The launcher does not check cu's values (that would sync the GPU); the kernel
+    # clamps each sequence's span into [0, N], so nothing is read or written out of bounds.
+    ks = [0, 3]
+    logits, draft, cu = make_case(ks, 60, seed=17, accept_prob=1.0)
+    want = greedy_verify_reference(logits, draft, cu)
+    # cu = [-4, 9] clamps to [0, 3]: the same spans as the real cu.
+    got = greedy_verify_triton(logits, draft, dev(torch.tensor([-4, 9])), block_v=32)
+    assert_same(got, want)
+    # The reference refuses it.
+    with pytest.raises(ValueError, match="non-negative"):
+        greedy_verify_reference(logits, draft, dev(torch.tensor([-4, 9])))
 
 
 @needs_triton
@@ -310,79 +365,83 @@ def test_kernel_clamps_out_of_range_num_draft():
 def test_half_precision_logits(dtype):
     # Coarse values so that low precision creates many ties.
     g = torch.Generator().manual_seed(9)
-    B, K, V = 4, 4, 190
-    logits = (torch.randint(0, 6, (B, K + 1, V), generator=g).to(torch.float32) * 0.37).to(dtype)
+    ks, V = [4, 4, 2, 0], 190
+    logits = dev((torch.randint(0, 6, (sum(ks) + len(ks), V), generator=g).to(torch.float32) * 0.37).to(dtype))
+    cu = cu_of(ks)
     target = logits.argmax(dim=-1)
-    draft = target[:, :K].clone()
-    draft[1, 2] = (draft[1, 2] + 1) % V  # one rejection mid-way
-    nd = torch.tensor([4, 4, 2, 0])
-    draft[2, 2:] = -1
-    draft[3, :] = -1
-    na, out = check_kernel(logits, draft, nd, block_v=64)
+    draft = torch.cat([target[rs:rs + k] for _, k, rs in spans(cu)])
+    draft[4 + 2] = (draft[4 + 2] + 1) % V  # sequence 1: one rejection mid-way
+    na, out = check_kernel(logits, draft, cu, block_v=64)
     assert na.tolist() == [4, 2, 2, 0]
-    for b, n in enumerate(na.tolist()):
-        assert out[b, n] == target[b, n]
+    for (_, _, rs), n, row in zip(spans(cu), na.tolist(), split(out, cu)):
+        assert row[n] == int(target[rs + n])
     # Also the random generator path.
-    logits, draft, nd = make_case(3, 3, 100, seed=10, dtype=dtype)
-    check_kernel(logits, draft, nd, block_v=32)
+    logits, draft, cu = make_case([3, 1, 0], 100, seed=10, dtype=dtype)
+    check_kernel(logits, draft, cu, block_v=32)
 
 
 @needs_triton
-def test_nan_in_valid_row_follows_torch_argmax():
+def test_nan_follows_torch_argmax():
     V = 130
-    logits = torch.randn(1, 3, V, generator=torch.Generator().manual_seed(11))
-    logits[0, 0, 100] = float("nan")  # torch.argmax picks the first NaN
-    logits[0, 0, 90] = float("nan")
-    logits[0, 1, 0] = float("nan")
+    logits = torch.randn(4, V, generator=torch.Generator().manual_seed(11))
+    logits[0, 100] = float("nan")  # torch.argmax picks the first NaN
+    logits[0, 90] = float("nan")
+    logits[1, 0] = float("nan")
+    logits[3, 129] = float("nan")  # a sequence of its own with no draft
+    logits = dev(logits)
     target = logits.argmax(dim=-1)
-    assert target[0, 0] == 90 and target[0, 1] == 0
-    draft = target[:, :2].clone()
-    na, out = check_kernel(logits, draft, torch.tensor([2]), block_v=64)
-    assert na.tolist() == [2] and out[0].tolist() == target[0].tolist()
+    assert target[0] == 90 and target[1] == 0 and target[3] == 129
+    na, out = check_kernel(logits, target[:2].clone(), dev(torch.tensor([2, 2])), block_v=64)
+    assert na.tolist() == [2, 0] and out.tolist() == target.tolist()
 
 
 @needs_triton
 def test_int32_inputs_and_non_contiguous_logits():
-    B, K, V = 3, 3, 100
-    big, draft, nd = make_case(B, K, V + 37, seed=12, garbage=False)
-    logits = big[:, :, :V]  # row stride V + 37, unit stride along V
+    ks, V = [3, 0, 2], 100
+    big, _, cu = make_case(ks, V + 37, seed=12)
+    logits = big[:, :V]  # row stride V + 37, unit stride along V
     assert not logits.is_contiguous()
     target = logits.argmax(-1)
-    draft = torch.where(torch.rand(B, K, generator=torch.Generator().manual_seed(1)) < 0.8, target[:, :K], 0)
-    draft[torch.arange(K).unsqueeze(0) >= nd.unsqueeze(1)] = -1
-    want = check_kernel(logits, draft, nd, block_v=32)
-    assert_same(greedy_verify_triton(logits, draft.int(), nd.int(), block_v=32), want)
+    draft = torch.cat([target[rs:rs + k] for _, k, rs in spans(cu)])
+    draft[1] = (draft[1] + 1) % V
+    want = check_kernel(logits, draft, cu, block_v=32)
+    assert want[0].tolist() == [1, 0, 2]
+    assert_same(greedy_verify_triton(logits, draft.int(), cu.int(), block_v=32), want)
+    assert_same(greedy_verify_reference(logits, draft.int(), cu.int()), want)
     # Transposed storage (stride along V != 1) is made contiguous by the launcher.
-    t = logits.transpose(1, 2).contiguous().transpose(1, 2)
-    assert t.stride(2) != 1
-    assert_same(greedy_verify_triton(t, draft, nd, block_v=32), want)
+    t = logits.t().contiguous().t()
+    assert t.stride(1) != 1
+    assert_same(greedy_verify_triton(t, draft, cu, block_v=32), want)
 
 
-def test_dispatch_uses_reference_on_cpu():
-    logits, draft, nd = make_case(4, 3, 80, seed=13)
-    assert_same(greedy_verify(logits, draft, nd), greedy_verify_reference(logits, draft, nd))
+def test_dispatch_matches_reference():
+    # The reference on CPU; the kernel on CUDA. Same answer either way.
+    logits, draft, cu = make_case([3, 0, 2, 1], 80, seed=13)
+    assert_same(greedy_verify(logits, draft, cu), greedy_verify_reference(logits, draft, cu))
 
 
 # --------------------------------------------------------------------------- #
-# reference vs a plain Python loop
+# reference vs plain Python loops
 # --------------------------------------------------------------------------- #
 
 
-def test_reference_matches_loop_oracle_many_seeds():
-    for seed in range(300):
+def test_reference_matches_loop_oracles_many_seeds():
+    for seed in range(200):
         g = torch.Generator().manual_seed(10_000 + seed)
         B = int(torch.randint(1, 5, (1,), generator=g))
         K = int(torch.randint(0, 6, (1,), generator=g))
         V = int(torch.randint(1, 12, (1,), generator=g))  # small V: frequent ties and matches
         accept_prob = float(torch.rand(1, generator=g))
-        logits, draft, nd = make_case(B, K, V, seed=seed, accept_prob=accept_prob)
+        logits, draft, cu = make_case(random_ks(B, K, seed), V, seed=seed, accept_prob=accept_prob)
         if seed % 3 == 0:  # integer-valued logits: many ties
-            logits = torch.where(logits.isnan(), logits, logits.round())
-        assert_same(greedy_verify_reference(logits, draft, nd), loop_oracle(logits, draft, nd))
+            logits = logits.round()
+        want = greedy_verify_reference(logits, draft, cu)
+        assert_same(loop_oracle(logits.cpu(), draft.cpu(), cu.cpu()), want)
+        assert_same(per_sequence_oracle(greedy_verify_reference, logits, draft, cu), want)
 
 
 def test_reference_known_example():
-    # V = 4, K = 3; targets per row are 2, 1, 3, 0.
+    # V = 4; targets of the four rows used for every sequence are 2, 1, 3, 0.
     rows = torch.tensor(
         [
             [0.0, 1.0, 5.0, 5.0],  # tie -> 2
@@ -391,12 +450,12 @@ def test_reference_known_example():
             [7.0, 0.0, 0.0, 0.0],
         ]
     )
-    logits = rows.unsqueeze(0).repeat(4, 1, 1)
-    draft = torch.tensor([[2, 1, 3], [2, 0, 3], [1, -1, -1], [2, 1, -1]])
-    nd = torch.tensor([3, 3, 1, 2])
-    na, out = greedy_verify_reference(logits, draft, nd)
-    assert na.tolist() == [3, 1, 0, 2]
-    assert out.tolist() == [[2, 1, 3, 0], [2, 1, -1, -1], [2, -1, -1, -1], [2, 1, 3, -1]]
+    ks = [3, 3, 1, 2, 0]
+    logits = dev(torch.cat([rows[:k + 1] for k in ks]))
+    draft = dev(torch.tensor([2, 1, 3] + [2, 0, 3] + [1] + [2, 1]))
+    na, out = greedy_verify_reference(logits, draft, cu_of(ks))
+    assert na.tolist() == [3, 1, 0, 2, 0]
+    assert split(out, cu_of(ks)) == [[2, 1, 3, 0], [2, 1, -1, -1], [2, -1], [2, 1, 3], [2]]
 
 
 # --------------------------------------------------------------------------- #
@@ -405,22 +464,24 @@ def test_reference_known_example():
 
 
 def _good():
-    return torch.randn(2, 4, 10), torch.zeros(2, 3, dtype=torch.int64), torch.tensor([3, 1])
+    # Two sequences with k = 3 and 1: N = 4, B = 2, 6 rows.
+    return dev(torch.randn(6, 10), torch.zeros(4, dtype=torch.int64), torch.tensor([3, 4]))
 
 
 @pytest.mark.parametrize(
     "mutate,match",
     [
-        (lambda l, d, n: (l[0], d, n), "3-D"),
+        (lambda l, d, n: (l[0], d, n), "2-D"),
         (lambda l, d, n: (l.long(), d, n), "floating-point"),
-        (lambda l, d, n: (l[:, :0], d[:, :0], n), "K\\+1 >= 1"),
-        (lambda l, d, n: (l[:, :, :0], d, n), "vocabulary"),
-        (lambda l, d, n: (l, d[:, :2], n), "draft_tokens must have shape"),
-        (lambda l, d, n: (l, d[:1], n), "draft_tokens must have shape"),
+        (lambda l, d, n: (l[:, :0], d, n), "vocabulary"),
+        (lambda l, d, n: (l, d.unsqueeze(0), n), "draft_tokens must be 1-D"),
+        (lambda l, d, n: (l, d, n.unsqueeze(0)), "cu_num_draft_tokens must be 1-D"),
         (lambda l, d, n: (l, d.float(), n), "draft_tokens must be int64 or int32"),
-        (lambda l, d, n: (l, d, n[:1]), "num_draft must have shape"),
-        (lambda l, d, n: (l, d, n.unsqueeze(0)), "num_draft must have shape"),
-        (lambda l, d, n: (l, d, n.float()), "num_draft must be int64 or int32"),
+        (lambda l, d, n: (l, d, n.float()), "cu_num_draft_tokens must be int64 or int32"),
+        (lambda l, d, n: (l[:-1], d, n), r"logits must have N \+ B = 4 \+ 2 = 6 rows"),
+        (lambda l, d, n: (l, d[:3], n), r"N \+ B = 3 \+ 2 = 5 rows"),
+        (lambda l, d, n: (l, d, n[:1]), r"N \+ B = 4 \+ 1 = 5 rows"),
+        (lambda l, d, n: (l[:4], d, n[:0]), "draft_tokens must be empty"),
         (lambda l, d, n: (l, d.to("meta"), n), "same device"),
         (lambda l, d, n: (l, d.tolist(), n), "torch.Tensor"),
     ],
@@ -447,12 +508,19 @@ def test_triton_specific_checks():
         greedy_verify_triton(l.to("meta"), d.to("meta"), n.to("meta"))
 
 
-def test_reference_rejects_out_of_range_num_draft():
+@pytest.mark.parametrize(
+    "cu,match",
+    [
+        ([-1, 4], "non-negative"),
+        ([3, 2], "non-decreasing"),  # N = 4 rows still match: 6 = 4 + 2
+        ([1, 3], r"end at N = draft_tokens.shape\[0\] = 4"),
+        ([5, 5], r"end at N"),
+    ],
+)
+def test_reference_checks_cu_values(cu, match):
     l, d, _ = _good()
-    with pytest.raises(ValueError, match=r"\[0, K\]"):
-        greedy_verify_reference(l, d, torch.tensor([4, 0]))
-    with pytest.raises(ValueError, match=r"\[0, K\]"):
-        greedy_verify_reference(l, d, torch.tensor([0, -1]))
+    with pytest.raises(ValueError, match=match):
+        greedy_verify_reference(l, d, dev(torch.tensor(cu)))
 
 
 # --------------------------------------------------------------------------- #
@@ -476,15 +544,16 @@ def test_module_imports_and_falls_back_without_triton(monkeypatch):
     sys.modules.pop("_greedy_verify_no_triton", None)
 
     assert not mod.HAVE_TRITON
-    logits, draft, nd = make_case(3, 2, 20, seed=14)
-    assert_same(mod.greedy_verify(logits, draft, nd), greedy_verify_reference(logits, draft, nd))
+    logits, draft, cu = make_case([2, 0, 1], 20, seed=14)
+    assert_same(mod.greedy_verify(logits, draft, cu), greedy_verify_reference(logits, draft, cu))
     with pytest.raises(RuntimeError, match="triton"):
-        mod.greedy_verify_triton(logits, draft, nd)
+        mod.greedy_verify_triton(logits, draft, cu)
 
 
 def test_math_sanity_of_make_case():
     # The generator really produces a mix of outcomes (guards the other tests' strength).
-    logits, draft, nd = make_case(64, 6, 40, seed=15)
-    na, _ = greedy_verify_reference(logits, draft, nd)
-    assert (na == nd).any() and (na < nd).any() and (nd == 0).any()
-    assert logits[torch.arange(7).unsqueeze(0) > nd.unsqueeze(1)].isnan().any()
+    ks = random_ks(64, 6, 15)
+    logits, draft, cu = make_case(ks, 40, seed=15)
+    na, _ = greedy_verify_reference(logits, draft, cu)
+    k = torch.tensor(ks, device=DEVICE)
+    assert (na == k).any() and (na < k).any() and (k == 0).any()
