@@ -4,7 +4,8 @@
 import os
 
 os.environ["HF_HUB_OFFLINE"] = "1"
-os.environ["TRITON_INTERPRET"] = "1"
+# Kernel tests run on CUDA tensors, compiled, under FORETELL_TEST_DEVICE=cuda (benchmarks/gpu_check.py).
+os.environ.setdefault("TRITON_INTERPRET", "0" if os.environ.get("FORETELL_TEST_DEVICE") == "cuda" else "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # The suite's exactness oracle is the float32 model (plain greedy decoding, token for token), so
 # the commands and servers it starts run float32 unless a test asks for another precision
