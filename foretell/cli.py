@@ -22,7 +22,7 @@ from typing import Any, Callable
 
 from foretell import __version__
 from foretell.origin_colors import CHOICES, legend, paint_spans, paint_within, use_color
-from foretell.proxy.options import DTYPE_CHOICES, QUANTIZE_CHOICES
+from foretell.proxy.options import DTYPE_CHOICES, KERNEL_CHOICES, QUANTIZE_CHOICES
 
 
 def _read_file(path: str, what: str) -> tuple[bytes, str]:
@@ -119,6 +119,16 @@ def _add_precision_options(command: argparse.ArgumentParser) -> None:
                               "(PyTorch's int8 weight-only kernel) or int4 (torchao, groups of 128); "
                               "faster plain decoding, text identical to the same mode's own plain "
                               "decoding except at near ties (env: FORETELL_QUANTIZE)")
+
+
+def _add_kernels_option(command: argparse.ArgumentParser) -> None:
+    command.add_argument("--kernels", type=_choice(KERNEL_CHOICES),
+                         default=_FromEnv("FORETELL_KERNELS", None, _choice(KERNEL_CHOICES)),
+                         help="attention and verification kernels: auto (default: Triton on CUDA, "
+                              "each checked against its torch reference at start-up and replaced "
+                              "by it if it fails; the torch references elsewhere), triton (also on "
+                              "a CPU under TRITON_INTERPRET=1: slow, for tests) or reference "
+                              "(env: FORETELL_KERNELS)")
 
 
 def _seconds(value: str) -> float:
@@ -236,6 +246,7 @@ def build_parser() -> argparse.ArgumentParser:
     generate.add_argument("--json-stats", action="store_true",
                           help="print the statistics to stderr as one JSON object")
     _add_precision_options(generate)
+    _add_kernels_option(generate)
 
     env = os.environ.get
     serve = commands.add_parser(
@@ -305,6 +316,7 @@ def build_parser() -> argparse.ArgumentParser:
                        help="chat max_tokens when the request sets none (default: 512; completions "
                             "default to 16 as OpenAI's) (env: FORETELL_DEFAULT_MAX_TOKENS)")
     _add_precision_options(serve)
+    _add_kernels_option(serve)
     serve.add_argument("--no-calibrate", action="store_true",
                        default=env("FORETELL_NO_CALIBRATE", "") not in ("", "0"),
                        help="skip measuring the pass cost at start-up (env: FORETELL_NO_CALIBRATE=1)")
@@ -403,7 +415,11 @@ def run_generate(args: argparse.Namespace) -> int:
                             fp32_head=args.fp32_head)
     except (ValueError, RuntimeError, OSError) as error:
         raise SystemExit(f"foretell: cannot load model: {error}") from None
-    engine = SpeculativeEngine(loaded.model, loaded.tokenizer, fp32_head=args.fp32_head)
+    try:
+        engine = SpeculativeEngine(loaded.model, loaded.tokenizer, fp32_head=args.fp32_head,
+                                   kernels=args.kernels)
+    except ValueError as error:
+        raise SystemExit(f"foretell: {error}") from None
     print(f"foretell: precision {engine.precision}", file=sys.stderr)
     if not args.no_calibrate:
         from foretell.proxy.engine.calibration_cache import calibrate_with_cache
@@ -478,7 +494,7 @@ def run_serve(args: argparse.Namespace) -> int:
         prefill_chunk=args.prefill_chunk, host=args.host,
         allowed_hosts=tuple(h.strip() for h in args.allowed_hosts.split(",") if h.strip()),
         metrics_public=args.metrics_public, dtype=args.dtype, quantize=args.quantize,
-        fp32_head=args.fp32_head,
+        fp32_head=args.fp32_head, kernels=args.kernels,
     )
     import logging
 

@@ -1,4 +1,4 @@
-"""Names of the local model's precision options, shared by the command line, the configuration
+"""Names of the local model's precision and kernel options, shared by the command line, the configuration
 file and the engine (``engine/precision.py``). Importable without torch, as the command line
 and the routing configuration are."""
 
@@ -6,3 +6,5 @@ DTYPE_CHOICES = ("auto", "float32", "bfloat16", "float16")
 QUANTIZE_CHOICES = ("none", "int8", "int4")
 # Where a local route of the configuration file may set them, as on the command line.
 PRECISION_KEYS = ("dtype", "quantize", "fp32_head")
+# Which implementation runs the engine's kernels (``engine/kernel_choice.py``): --kernels.
+KERNEL_CHOICES = ("auto", "triton", "reference")

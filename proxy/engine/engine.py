@@ -30,9 +30,7 @@ import time
 from typing import Callable
 
 import torch
-import torch.nn.functional as F
 
-from foretell.kernels import greedy_verify
 from foretell.proxy.engine.draft_length import (
     DEFAULT_PASS_COST,
     DEFAULT_SAMPLING_COST,
@@ -40,10 +38,12 @@ from foretell.proxy.engine.draft_length import (
     PassCostModel,
     choose_step_drafts,
 )
+from foretell.proxy.engine.kernel_choice import AttentionShape, choose_kernels
 from foretell.proxy.engine.kv_cache import FULL, SLIDING, CacheFullError, PagedKVCache, SequenceBlocks
 from foretell.proxy.engine.precision import default_fp32_head, describe, head_rows, rescore_in_fp32
 from foretell.proxy.engine.prompt_logprob_cache import PromptLogprobCache
 from foretell.proxy.engine.sampling import SpeculativeSampler
+from foretell.proxy.engine.verify import VerifyRows, verify_step
 from foretell.proxy.engine.sequence import (
     GenerationRequest,
     GenerationResult,
@@ -85,10 +85,13 @@ class SpeculativeEngine:
                  kv_cache_tokens: int = DEFAULT_KV_CACHE_TOKENS, block_size: int = 16,
                  prefill_chunk: int = DEFAULT_PREFILL_CHUNK, max_sequences: int = 16,
                  max_draft_positions: int = DEFAULT_MAX_DRAFT_POSITIONS,
-                 dtype: torch.dtype | None = None, fp32_head: bool | None = None):
+                 dtype: torch.dtype | None = None, fp32_head: bool | None = None,
+                 kernels: str | None = None):
         """``dtype`` casts ``model`` in place (None: as loaded, see ``model_loader.load_model``
         for --dtype and --quantize); ``fp32_head`` scores each row's leading tokens in float32
-        over a bf16/fp16 head (None: on for such a head, ``precision.default_fp32_head``)."""
+        over a bf16/fp16 head (None: on for such a head, ``precision.default_fp32_head``);
+        ``kernels`` is auto, triton or reference (None: ``FORETELL_KERNELS``, else auto; see
+        ``kernel_choice.py``): Triton kernels are checked against their references here."""
         if prefill_chunk < 1 or kv_cache_tokens < block_size:
             raise ValueError("prefill_chunk must be >= 1 and kv_cache_tokens >= block_size")
         if dtype is not None:
@@ -118,6 +121,9 @@ class SpeculativeEngine:
         sliding_tokens = min(kv_cache_tokens,
                              max_sequences * (window + prefill_chunk + max_draft_positions + 4 * block_size))
         self.cache = PagedKVCache(model, kv_cache_tokens, block_size, sliding_tokens=sliding_tokens)
+        self.kernels = choose_kernels(kernels, self.device, self.dtype, AttentionShape(
+            self.cache.heads, self.cache.kv_heads, self.cache.head_dim, block_size, self.cache.window))
+        self.cache.attention_kernel = self.kernels.paged_attention
         self.prompt_logprob_cache = PromptLogprobCache(max_positions=kv_cache_tokens)
 
     @property
@@ -198,7 +204,7 @@ class SpeculativeEngine:
             feeds.append((seq.blocks, tokens, logits_from))
         started = time.perf_counter()
         logits = self._forward(feeds)
-        updates, row = [], 0
+        updates, verifying, row = [], [], 0
         for seq, chunk, verifies in plan:
             if seq.prompt_logprobs is not None and chunk > 0:
                 # Row i is the distribution of the prompt token after position committed + i.
@@ -213,10 +219,15 @@ class SpeculativeEngine:
             if not verifies:
                 seq.blocks.committed += chunk
                 continue
-            rows = logits[row:row + len(seq.draft) + 1]  # [k+1, V]
+            verifying.append((seq, chunk, VerifyRows(row, seq.draft, seq.sampler)))
             row += len(seq.draft) + 1
+        outcomes = verify_step(self.kernels, logits, [entry for _, _, entry in verifying])
+        for (seq, chunk, entry), outcome in zip(verifying, outcomes):
             try:
-                accepted, new_tokens = self._verify(seq, rows)
+                if isinstance(outcome, Exception):
+                    raise outcome
+                accepted, new_tokens = outcome
+                rows = logits[entry.first_row:entry.first_row + len(entry.draft) + 1]  # [k+1, V]
                 logprobs = (token_logprobs(rows, new_tokens, seq.request.logprobs)
                             if seq.logprobs is not None else None)
                 seq.blocks.committed += chunk + 1 + accepted  # the pending token + accepted drafts
@@ -285,17 +296,6 @@ class SpeculativeEngine:
             )
         return out.logits[0]  # [rows, V]
 
-    def _verify(self, seq: Sequence, rows: torch.Tensor) -> tuple[int, list[int]]:
-        """(accepted drafts, new tokens) of one sequence from its rows [k+1, V]."""
-        draft = seq.draft
-        if seq.sampler is not None:
-            return seq.sampler.verify(rows, draft)
-        draft_tokens = torch.tensor(draft, dtype=torch.long, device=self.device).view(1, len(draft))  # [1, k]
-        num_draft = torch.tensor([len(draft)], dtype=torch.long, device=self.device)  # [1]
-        num_accepted, output_tokens = greedy_verify(rows.unsqueeze(0), draft_tokens, num_draft)
-        accepted = int(num_accepted[0])
-        return accepted, output_tokens[0, : accepted + 1].tolist()
-
     # ---- one request alone -----------------------------------------------------------------------
 
     def generate(
@@ -362,7 +362,7 @@ class SpeculativeEngine:
         drafts = logits.argmax(dim=-1).tolist()
 
         def sample(n: int) -> None:
-            sampler.verify(logits[:n], drafts[: n - 1])
+            verify_step(self.kernels, logits[:n], [VerifyRows(0, drafts[: n - 1], sampler)])
 
         self.sampling_cost = PassCostModel.measure(sample, positions=positions)
         return measured

@@ -20,18 +20,26 @@ sliding layers (Gemma 3). Here:
 
 The model runs through a registered attention function (``foretell_paged``) that reads the
 step's layout (``StepLayout``) from this cache; positions are passed explicitly, so the model's
-own masks and cache bookkeeping are bypassed.
+own masks and cache bookkeeping are bypassed. Two ways to attend, chosen by the engine
+(``kernel_choice.py``): a loop over the step's sequences, each gathering its keys and calling
+``scaled_dot_product_attention`` (the CPU path and the oracle), or one ragged paged attention
+kernel per layer that reads the keys in place through the block tables
+(``foretell.kernels.paged_attention``; ``attention_kernel`` set).
 """
 
 from __future__ import annotations
 
 import contextlib
+import itertools
 import math
 from collections import OrderedDict
 from dataclasses import dataclass, field
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
+
+from foretell.kernels.paged_attention import block_q_for, query_tiles
 
 FULL, SLIDING = "full_attention", "sliding_attention"
 ATTENTION_NAME = "foretell_paged"
@@ -97,8 +105,21 @@ class StepLayout:
 
     query_starts: list[int]
     write_slots: dict[str, torch.Tensor]  # [T] per group
-    read_slots: dict[str, list[torch.Tensor]]
+    read_slots: dict[str, list[torch.Tensor]]  # the loop's (empty when the kernel attends)
     masks: dict[str, list[torch.Tensor | None]]
+    kernel: KernelLayout | None = None  # the kernel's (None when the loop attends)
+
+
+@dataclass
+class KernelLayout:
+    """One step as the ragged paged attention kernel reads it, on the device; built once per
+    step and shared by every layer (``foretell.kernels.paged_attention`` for the layout)."""
+
+    query_start_loc: torch.Tensor  # int32 [B+1]
+    seq_lens: torch.Tensor  # int32 [B] positions held once this step's are written
+    block_tables: dict[str, torch.Tensor]  # int32 [B, max_blocks] per group, -1: not held
+    tiles: tuple[torch.Tensor, torch.Tensor]  # the kernel's grid (query_tiles)
+    block_q: int
 
 
 class PagedKVCache:
@@ -115,6 +136,9 @@ class PagedKVCache:
         self.device, self.dtype = parameter.device, parameter.dtype
         heads = config.num_key_value_heads
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        self.heads, self.kv_heads, self.head_dim = config.num_attention_heads, heads, head_dim
+        # The ragged paged attention kernel, or None: the per-sequence loop (set by the engine).
+        self.attention_kernel: Callable | None = None
         self.max_tokens = max_tokens
         blocks = {FULL: math.ceil(max_tokens / block_size)}
         if self.window is not None:
@@ -305,10 +329,14 @@ class PagedKVCache:
         write = {g: [] for g in self.groups}
         read = {g: [] for g in self.groups}
         masks = {g: [] for g in self.groups}
+        kernel = self.attention_kernel is not None
         for seq, count in feeds:
             start, end = seq.committed, seq.committed + count
             q_pos = torch.arange(start, end, device=self.device)
             for g in self.groups:
+                if kernel:  # the kernel finds the keys through the block tables
+                    write[g].append(self._slots(g, seq, start, end))
+                    continue
                 first = max(0, start - self.window + 1) if g == SLIDING else 0
                 slots = self._slots(g, seq, first, end)
                 write[g].append(slots[start - first:])
@@ -320,8 +348,25 @@ class PagedKVCache:
                 masks[g].append(None if count == 1 else visible)  # one query sees all its keys
             row += count
             query_starts.append(row)
-        self.layout = StepLayout(query_starts, {g: torch.cat(w) for g, w in write.items()}, read, masks)
+        self.layout = StepLayout(query_starts, {g: torch.cat(w) for g, w in write.items()}, read, masks,
+                                 self._kernel_layout(feeds) if kernel else None)
         return self.layout
+
+    def _kernel_layout(self, feeds: list[tuple[SequenceBlocks, int]]) -> KernelLayout:
+        """The step's layout for the kernel: everything in one host-to-device copy."""
+        counts = [count for _, count in feeds]
+        host = [list(itertools.accumulate(counts, initial=0)),
+                [seq.committed + count for seq, count in feeds]]
+        for g in self.groups:
+            width = max(len(seq.tables[g]) for seq, _ in feeds)
+            host.extend([-1 if b is None else b for b in seq.tables[g]] + [-1] * (width - len(seq.tables[g]))
+                        for seq, _ in feeds)
+        flat = torch.tensor(list(itertools.chain.from_iterable(host)), dtype=torch.int32).to(self.device)
+        parts = flat.split([len(row) for row in host])
+        B = len(feeds)
+        tables = {g: torch.stack(parts[2 + i * B: 2 + (i + 1) * B]) for i, g in enumerate(self.groups)}
+        block_q = block_q_for(counts, self.heads, self.kv_heads)
+        return KernelLayout(parts[0], parts[1], tables, query_tiles(counts, block_q, self.device), block_q)
 
     # The model calls this for every layer (transformers' Cache protocol).
     def update(self, key_states, value_states, layer_idx: int, kwargs=None):
@@ -361,6 +406,15 @@ def paged_attention(module, query, key, value, attention_mask, dropout=0.0, scal
     heads = query.shape[1]
     out = torch.empty(query.shape[0], query.shape[2], query.shape[1], query.shape[3],
                       device=query.device, dtype=query.dtype)  # [1, T, heads, head_dim]
+    if layout.kernel is not None:  # one launch for every sequence of the step
+        step = layout.kernel
+        cache.attention_kernel(
+            query[0].transpose(0, 1), keys, values, step.block_tables[group], step.query_start_loc,
+            step.seq_lens, block_size=cache.block_size,
+            scale=scaling if scaling is not None else query.shape[-1] ** -0.5,
+            window=cache.window if group == SLIDING else None, tiles=step.tiles, block_q=step.block_q,
+            out=out[0])  # [T, heads, head_dim] views of [1, heads, T, head_dim] and the output
+        return out, None
     starts = layout.query_starts
     for i, slots in enumerate(layout.read_slots[group]):
         q = query[:, :, starts[i]:starts[i + 1]]  # [1, heads, q, head_dim]

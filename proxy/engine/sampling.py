@@ -1,9 +1,10 @@
 """Sampling with speculation: the target's distributions, the random draws, the verify rule.
 
 ``target_probs`` defines the distribution a request samples from (temperature, then top-k, then
-top-p, as in transformers' ``generate``); ``SpeculativeSampler`` verifies a round's draft against
-it with the rejection-sampling kernel, so that the emitted tokens follow exactly that
-distribution, whatever was drafted.
+top-p, as in transformers' ``generate``); ``SpeculativeSampler`` holds a request's settings and
+draws its random numbers; ``verify.py`` verifies a round's draft against that distribution with
+the rejection-sampling kernel, so that the emitted tokens follow it exactly, whatever was
+drafted.
 
 Each request owns its random generator, seeded from the request's ``seed``: its draws depend on
 nothing but its own rounds, so a seeded request gives the same text whatever else is in flight.
@@ -14,8 +15,6 @@ from __future__ import annotations
 import os
 
 import torch
-
-from foretell.kernels import rejection_sample
 
 
 class InvalidDistributionError(RuntimeError):
@@ -81,24 +80,11 @@ class SpeculativeSampler:
         # manual_seed accepts whole.
         self.generator.manual_seed(self.seed % 2**64)
 
-    def verify(self, logits: torch.Tensor, draft: list[int]) -> tuple[int, list[int]]:
-        """Verify one request's draft from its verify pass's logits [k+1, V].
-
-        Returns (accepted draft tokens, new tokens = accepted drafts + one sampled token).
-        """
-        k, vocab = len(draft), logits.shape[-1]
-        device = logits.device
-        probs = target_probs(logits, self.temperature, self.top_k, self.top_p)  # [k+1, V]
-        # Draws in a fixed order and amount per round, so a seed replays the same request.
-        uniform = torch.rand(1, k, generator=self.generator, device=device)  # [1, k]
-        exp_noise = torch.empty(1, vocab, device=device).exponential_(generator=self.generator)  # [1, V]
-        draft_tokens = torch.tensor([draft], dtype=torch.long, device=device).view(1, k)  # [1, k]
-        num_draft = torch.tensor([k], dtype=torch.long, device=device)  # [1]
-        num_accepted, output_tokens, invalid_row = rejection_sample(
-            probs.unsqueeze(0), draft_tokens, num_draft, uniform, exp_noise)
-        accepted, bad_row = int(num_accepted[0]), int(invalid_row[0])
-        if bad_row >= 0:
-            raise InvalidDistributionError(
-                f"the model's distribution at draft position {bad_row} is not a distribution "
-                "(NaN, infinite, negative or without mass); nothing was sampled from it")
-        return accepted, output_tokens[0, : accepted + 1].tolist()
+    def draws(self, k: int, vocab: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """One round's random numbers: uniform [k] for the acceptance tests, then Exp(1) noise
+        [vocab] for the one sampled token. Always in this order and amount for a round of k
+        drafts, so a seed replays the same request."""
+        device = self.generator.device
+        uniform = torch.rand(k, generator=self.generator, device=device)  # [k]
+        exp_noise = torch.empty(vocab, device=device).exponential_(generator=self.generator)  # [vocab]
+        return uniform, exp_noise

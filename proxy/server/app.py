@@ -82,6 +82,8 @@ class ServerSettings:
     dtype: str = "auto"
     quantize: str = "none"
     fp32_head: bool | None = None  # None: precision.default_fp32_head
+    # Triton or the torch references for attention and verification (engine/kernel_choice.py).
+    kernels: str | None = None  # None: FORETELL_KERNELS, else auto
 
 
 class LocalModel:
@@ -90,6 +92,7 @@ class LocalModel:
     def __init__(self, loaded, scheduler, served_name: str):
         self.loaded, self.scheduler, self.name = loaded, scheduler, served_name
         self.precision = scheduler.engine.precision  # e.g. bfloat16+fp32-head, shown by /health
+        self.kernels = scheduler.engine.kernels.describe()  # which run Triton, which fell back
         self.tokenizer = loaded.tokenizer
         # The engine's own limit (None: the model names none), checked here before queueing.
         self.context = scheduler.engine.max_positions
@@ -113,6 +116,7 @@ def create_app(settings: ServerSettings, load_local=None) -> FastAPI:
     def load() -> None:
         try:
             state["local"] = (load_local or _default_loader(settings))(metrics)
+            metrics.record_kernels(state["local"].scheduler.engine.kernels)
         except Exception as error:  # reported by /health, the server stays up
             state["load_error"] = f"{type(error).__name__}: {error}"
         # torch, transformers and the model are hundreds of thousands of objects that live as
@@ -161,7 +165,8 @@ def create_app(settings: ServerSettings, load_local=None) -> FastAPI:
     async def health():
         if state["local"] is not None:
             local = state["local"]
-            return {"status": "ok", "model": local.name, "precision": local.precision}
+            return {"status": "ok", "model": local.name, "precision": local.precision,
+                    "kernels": local.kernels}
         if state["load_error"]:
             return JSONResponse({"status": "error", "error": state["load_error"]}, status_code=503)
         return JSONResponse({"status": "loading"}, status_code=503)
@@ -516,8 +521,9 @@ def _default_loader(settings: ServerSettings):
                             fp32_head=settings.fp32_head)
         engine = SpeculativeEngine(loaded.model, loaded.tokenizer, kv_cache_tokens=settings.kv_cache_tokens,
                                    prefill_chunk=settings.prefill_chunk, max_sequences=settings.max_running,
-                                   fp32_head=settings.fp32_head)
-        logging.getLogger("foretell.server").info("engine precision: %s", engine.precision)
+                                   fp32_head=settings.fp32_head, kernels=settings.kernels)
+        logging.getLogger("foretell.server").info("engine precision: %s; kernels: %s", engine.precision,
+                                                  ", ".join(engine.kernels.triton) or "torch references")
         if settings.calibrate:  # from the calibration cache when this machine measured it before
             calibrate_with_cache(engine, loaded.source, recalibrate=settings.recalibrate)
         name = settings.served_model_name or loaded.name

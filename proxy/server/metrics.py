@@ -37,6 +37,9 @@ class Metrics:
                                   registry=r)
         self.running = Gauge("foretell_num_requests_running", "Sequences in the engine's batch",
                              registry=r)
+        self.kernel_fallback = Gauge("foretell_kernel_fallback",
+                                     "1 when the kernel's Triton version failed its start-up check and "
+                                     "its torch reference runs instead, else 0", ["kernel"], registry=r)
         self.kv_cache_usage = Gauge("foretell_kv_cache_usage_perc",
                                     "Fraction of the KV cache's full-attention blocks in use or cached",
                                     registry=r)
@@ -79,6 +82,13 @@ class Metrics:
             for position, count in enumerate(counts):
                 label = str(min(position, MAX_TRACKED_POSITION - 1))  # a bounded label set
                 counter.labels(model, label).inc(count)
+
+    def record_kernels(self, kernels) -> None:
+        """The engine's kernel choice (``kernel_choice.Kernels``): one gauge per kernel."""
+        from foretell.proxy.engine.kernel_choice import KERNEL_NAMES
+
+        for name in KERNEL_NAMES:
+            self.kernel_fallback.labels(kernel=name).set(1 if name in kernels.fallbacks else 0)
 
     def record_cache(self, cache) -> None:
         self.kv_cache_usage.set(cache.usage())

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from foretell.proxy.engine import GenerationRequest, SpeculativeEngine
+from foretell.proxy.engine.verify import VerifyRows, verify_step
 from tests.helpers import assert_greedy_equal, greedy_reference, stop_string_cut
 
 PROMPT = "def parse(line):\n    key, value = line.split('=')\n    return key.strip(), value\n"
@@ -152,7 +153,7 @@ def test_batched_steps_equal_each_request_alone(engine, tokenizer, case):
 # ---- greedy verification's tie rule -------------------------------------------------------
 
 def _verify(engine, draft: list[int], rows: torch.Tensor) -> tuple[int, list[int]]:
-    return engine._verify(SimpleNamespace(draft=draft, sampler=None), rows)
+    return verify_step(engine.kernels, rows, [VerifyRows(0, draft, None)])[0]
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])

@@ -93,20 +93,24 @@ def greedy_text(engine, prompt_ids, n=3) -> str:
 
 # ---- wrong verify rules, to show the test can tell -------------------------------------------
 
-def accept_always(target, draft_tokens, num_draft, uniform, exp_noise):
+def accept_always(target, draft_tokens, cu_num_draft_tokens, uniform, exp_noise):
     """Wrong: every draft token the target does not rule out is accepted (u = 0)."""
-    return rejection_sample_reference(target, draft_tokens, num_draft, torch.zeros_like(uniform), exp_noise)
+    return rejection_sample_reference(target, draft_tokens, cu_num_draft_tokens, torch.zeros_like(uniform),
+                                      exp_noise)
 
 
-def resample_from_p(target, draft_tokens, num_draft, uniform, exp_noise):
+def resample_from_p(target, draft_tokens, cu_num_draft_tokens, uniform, exp_noise):
     """Wrong: after a rejection, draw from p itself instead of p without the draft token."""
-    accepted, output, invalid = rejection_sample_reference(target, draft_tokens, num_draft, uniform, exp_noise)
-    for b in range(target.shape[0]):
+    accepted, output, invalid = rejection_sample_reference(target, draft_tokens, cu_num_draft_tokens,
+                                                           uniform, exp_noise)
+    first_row = 0
+    for b, drafted in enumerate(torch.diff(cu_num_draft_tokens, prepend=cu_num_draft_tokens.new_zeros(1))):
         n = int(accepted[b])
-        if n < int(num_draft[b]):
-            weights = target[b, n]
+        if n < int(drafted):
+            weights = target[first_row + n]
             score = torch.where(weights > 0, weights / exp_noise[b], torch.full_like(weights, -1.0))
-            output[b, n] = score.argmax()
+            output[first_row + n] = score.argmax()
+        first_row += int(drafted) + 1
     return accepted, output, invalid
 
 
@@ -130,7 +134,7 @@ def test_the_distribution_test_catches_a_wrong_rule(small, monkeypatch, wrong_ru
     prompt_ids = tokenizer(PROMPT)["input_ids"]
     prediction = greedy_text(engine, prompt_ids)
     expected = exact_distribution(model, prompt_ids, 3, tokenizer.eos_token_id, temperature=1.0)
-    monkeypatch.setattr(sampling, "rejection_sample", wrong_rule)
+    monkeypatch.setattr(engine.kernels, "rejection_sample", wrong_rule)
     counts, _, _ = sample_many(engine, prompt_ids, prediction, temperature=1.0)
     stat, critical = chi_square(counts, expected, SAMPLES)
     assert stat > critical, f"the wrong rule {wrong_rule.__name__} passed: chi-square {stat:.1f}"
