@@ -353,7 +353,7 @@ class PagedKVCache:
         return self.layout
 
     def _kernel_layout(self, feeds: list[tuple[SequenceBlocks, int]]) -> KernelLayout:
-        """The step's layout for the kernel: everything in one host-to-device copy."""
+        """The step's layout for the kernel, copied to the device at once (its tiles in a second copy)."""
         counts = [count for _, count in feeds]
         host = [list(itertools.accumulate(counts, initial=0)),
                 [seq.committed + count for seq, count in feeds]]

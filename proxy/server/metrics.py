@@ -83,12 +83,11 @@ class Metrics:
                 label = str(min(position, MAX_TRACKED_POSITION - 1))  # a bounded label set
                 counter.labels(model, label).inc(count)
 
-    def record_kernels(self, kernels) -> None:
-        """The engine's kernel choice (``kernel_choice.Kernels``): one gauge per kernel."""
-        from foretell.proxy.engine.kernel_choice import KERNEL_NAMES
-
-        for name in KERNEL_NAMES:
-            self.kernel_fallback.labels(kernel=name).set(1 if name in kernels.fallbacks else 0)
+    def record_kernels(self, kernels: dict) -> None:
+        """The engine's kernel choice (``Kernels.describe()``): one gauge per kernel, 1 where its
+        torch reference replaced a failed Triton kernel."""
+        for name in kernels["triton"] + list(kernels["fallback"]):
+            self.kernel_fallback.labels(kernel=name).set(1 if name in kernels["fallback"] else 0)
 
     def record_cache(self, cache) -> None:
         self.kv_cache_usage.set(cache.usage())
