@@ -53,6 +53,7 @@ import contextlib
 
 import torch
 
+from foretell.kernels.flat_layout import check_cu_values, check_flat, sequence_span
 from foretell.kernels.launches import count_launch
 
 try:  # Triton is optional: the package (and its CPU path) must import without it.
@@ -66,7 +67,6 @@ __all__ = ["greedy_verify", "greedy_verify_reference", "greedy_verify_triton"]
 
 HAVE_TRITON = triton is not None
 
-_INT_DTYPES = (torch.int32, torch.int64)
 _KERNEL_FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 # Default vocabulary block of the argmax kernel (a power of two).
@@ -83,58 +83,11 @@ DEFAULT_BLOCK_K = 64
 def _check_inputs(
     logits: torch.Tensor, draft_tokens: torch.Tensor, cu_num_draft_tokens: torch.Tensor
 ) -> tuple[int, int, int]:
-    """Validate types, shapes, dtypes and devices without reading values; return (B, N, V).
-
-    N is ``draft_tokens.shape[0]``. Raises ValueError.
-    """
-    tensors = (("logits", logits), ("draft_tokens", draft_tokens), ("cu_num_draft_tokens", cu_num_draft_tokens))
-    for name, t in tensors:
-        if not isinstance(t, torch.Tensor):
-            raise ValueError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-    if logits.dim() != 2:
-        raise ValueError(f"logits must be 2-D [N + B, V], got shape {tuple(logits.shape)}")
+    """Validate without reading values (no sync); return (B, N, V). Raises ValueError."""
+    B, N, V = check_flat("logits", logits, draft_tokens, cu_num_draft_tokens)
     if not logits.is_floating_point():
         raise ValueError(f"logits must be a floating-point tensor, got {logits.dtype}")
-    if logits.shape[1] < 1:
-        raise ValueError(f"logits must have a non-empty vocabulary dimension, got shape {tuple(logits.shape)}")
-    if draft_tokens.dim() != 1:
-        raise ValueError(f"draft_tokens must be 1-D [N], got shape {tuple(draft_tokens.shape)}")
-    if cu_num_draft_tokens.dim() != 1:
-        raise ValueError(f"cu_num_draft_tokens must be 1-D [B], got shape {tuple(cu_num_draft_tokens.shape)}")
-    for name, t in tensors[1:]:
-        if t.dtype not in _INT_DTYPES:
-            raise ValueError(f"{name} must be int64 or int32, got {t.dtype}")
-    if draft_tokens.device != logits.device or cu_num_draft_tokens.device != logits.device:
-        raise ValueError(
-            "logits, draft_tokens and cu_num_draft_tokens must be on the same device, got "
-            f"{logits.device}, {draft_tokens.device}, {cu_num_draft_tokens.device}"
-        )
-    num_rows, V = logits.shape
-    N, B = draft_tokens.shape[0], cu_num_draft_tokens.shape[0]
-    if B == 0 and N != 0:
-        raise ValueError(f"draft_tokens must be empty when there are no sequences (B = 0), got N = {N}")
-    if num_rows != N + B:
-        raise ValueError(
-            f"logits must have N + B = {N} + {B} = {N + B} rows (one per draft token plus one per "
-            f"sequence), got {num_rows}"
-        )
     return B, N, V
-
-
-def _check_cu_values(cu: torch.Tensor, N: int) -> None:
-    """The reference's value check of ``cu_num_draft_tokens`` (synchronises on CUDA)."""
-    if cu.shape[0] == 0:
-        return
-    cu = cu.to(torch.int64)
-    first, decreasing, last = torch.stack([cu[0], (cu[1:] < cu[:-1]).any().to(torch.int64), cu[-1]]).tolist()
-    if first < 0:
-        raise ValueError(f"cu_num_draft_tokens must be non-negative, got {cu.tolist()}")
-    if decreasing:
-        raise ValueError(f"cu_num_draft_tokens must be non-decreasing (an inclusive cumsum), got {cu.tolist()}")
-    if last != N:
-        raise ValueError(
-            f"cu_num_draft_tokens must end at N = draft_tokens.shape[0] = {N}, got {cu.tolist()}"
-        )
 
 
 # --------------------------------------------------------------------------- #
@@ -152,7 +105,7 @@ def greedy_verify_reference(
     is negative, decreasing or does not end at ``N`` (that check synchronises on CUDA).
     """
     B, N, V = _check_inputs(logits, draft_tokens, cu_num_draft_tokens)
-    _check_cu_values(cu_num_draft_tokens, N)
+    check_cu_values(cu_num_draft_tokens, N)
     device = logits.device
     num_rows = N + B
     if B == 0:
@@ -252,8 +205,7 @@ if HAVE_TRITON:
         values every access stays inside [0, N) for drafts and [0, N + B) for rows.
         """
         b = tl.program_id(0)
-        start = tl.minimum(tl.maximum(tl.load(cu_ptr + b - 1, mask=b > 0, other=0), 0), N).to(tl.int32)  # []
-        end = tl.minimum(tl.maximum(tl.load(cu_ptr + b), start), N).to(tl.int32)  # []
+        start, end = sequence_span(cu_ptr, b, N)  # [] [] its drafts, clamped
         k = end - start  # [] draft count
         draft_seq = draft_ptr + start  # this sequence's drafts
         target_seq = target_ptr + (start + b)  # this sequence's k + 1 rows

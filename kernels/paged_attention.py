@@ -291,5 +291,7 @@ def ragged_paged_attention_triton(query, key_pool, value_pool, block_table, quer
             block_table.stride(0), float(scale), int(window or 0),
             GROUP=group, HEAD_DIM=D, BLOCK_SIZE=block_size, GROUP_PAD=group_pad, BLOCK_Q=block_q,
             BLOCK_N=BLOCK_N, DIM_PAD=_next_power_of_2(max(D, 16)), SLIDING=window is not None,
-            DOT_PRECISION="ieee" if query.dtype == torch.float32 else "tf32")
+            DOT_PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
+            # Untuned (no GPU has run it yet): more warps for the larger register tiles.
+            num_warps=8 if block_q * group_pad * _next_power_of_2(max(D, 16)) >= 16384 else 4)
     return out

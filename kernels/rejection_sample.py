@@ -52,6 +52,7 @@ import contextlib
 
 import torch
 
+from foretell.kernels.flat_layout import check_cu_values, check_flat, sequence_span
 from foretell.kernels.launches import count_launch
 
 try:  # Triton is optional: the package (and its CPU path) must import without it.
@@ -65,63 +66,27 @@ __all__ = ["rejection_sample", "rejection_sample_reference", "rejection_sample_t
 
 HAVE_TRITON = triton is not None
 
-_INT_DTYPES = (torch.int32, torch.int64)
 DEFAULT_BLOCK_V = 1024  # vocabulary tile (a power of two)
 DEFAULT_BLOCK_K = 64  # draft-position tile (a power of two)
 
 
 def _check_inputs(target_probs, draft_tokens, cu_num_draft_tokens, uniform, exp_noise) -> tuple[int, int, int]:
-    """Validate types, shapes, dtypes and devices without reading values; return (B, N, V).
-
-    N is ``draft_tokens.shape[0]``. Raises ValueError.
-    """
-    tensors = (("target_probs", target_probs), ("draft_tokens", draft_tokens),
-               ("cu_num_draft_tokens", cu_num_draft_tokens), ("uniform", uniform), ("exp_noise", exp_noise))
-    for name, t in tensors:
+    """Validate without reading values (no sync); return (B, N, V). Raises ValueError."""
+    B, N, V = check_flat("target_probs", target_probs, draft_tokens, cu_num_draft_tokens)
+    for name, t, want in (("uniform", uniform, (N,)), ("exp_noise", exp_noise, (B, V))):
         if not isinstance(t, torch.Tensor):
             raise ValueError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-    if target_probs.dim() != 2 or target_probs.shape[1] < 1:
-        raise ValueError(f"target_probs must be [N + B, V] with V >= 1, got shape {tuple(target_probs.shape)}")
-    for name, t in (("draft_tokens", draft_tokens), ("cu_num_draft_tokens", cu_num_draft_tokens)):
-        if t.dim() != 1:
-            raise ValueError(f"{name} must be 1-D, got shape {tuple(t.shape)}")
-    num_rows, V = target_probs.shape
-    N, B = draft_tokens.shape[0], cu_num_draft_tokens.shape[0]
-    for name, t, want in (("uniform", uniform, (N,)), ("exp_noise", exp_noise, (B, V))):
         if tuple(t.shape) != want:
             raise ValueError(f"{name} must have shape {list(want)} (N = draft_tokens.shape[0], "
                              f"B = cu_num_draft_tokens.shape[0], V = target_probs.shape[1]), "
                              f"got {tuple(t.shape)}")
-    for name, t in tensors[1:]:
         if t.device != target_probs.device:
             raise ValueError(f"{name} is on {t.device}, target_probs on {target_probs.device}: "
                              "all inputs must be on the same device")
     for name, t in (("target_probs", target_probs), ("uniform", uniform), ("exp_noise", exp_noise)):
         if t.dtype != torch.float32:
             raise ValueError(f"{name} must be float32, got {t.dtype}")
-    for name, t in (("draft_tokens", draft_tokens), ("cu_num_draft_tokens", cu_num_draft_tokens)):
-        if t.dtype not in _INT_DTYPES:
-            raise ValueError(f"{name} must be int64 or int32, got {t.dtype}")
-    if B == 0 and N != 0:
-        raise ValueError(f"draft_tokens must be empty when there are no sequences (B = 0), got N = {N}")
-    if num_rows != N + B:
-        raise ValueError(f"target_probs must have N + B = {N} + {B} = {N + B} rows (one per draft "
-                         f"token plus one per sequence), got {num_rows}")
     return B, N, V
-
-
-def _check_cu_values(cu: torch.Tensor, N: int) -> None:
-    """The reference's value check of ``cu_num_draft_tokens`` (synchronises on CUDA)."""
-    if cu.shape[0] == 0:
-        return
-    cu = cu.to(torch.int64)
-    first, decreasing, last = torch.stack([cu[0], (cu[1:] < cu[:-1]).any().to(torch.int64), cu[-1]]).tolist()
-    if first < 0:
-        raise ValueError(f"cu_num_draft_tokens must be non-negative, got {cu.tolist()}")
-    if decreasing:
-        raise ValueError(f"cu_num_draft_tokens must be non-decreasing (an inclusive cumsum), got {cu.tolist()}")
-    if last != N:
-        raise ValueError(f"cu_num_draft_tokens must end at N = draft_tokens.shape[0] = {N}, got {cu.tolist()}")
 
 
 # --------------------------------------------------------------------------- #
@@ -145,7 +110,7 @@ def rejection_sample_reference(target_probs, draft_tokens, cu_num_draft_tokens, 
     negative, decreasing or does not end at ``N`` (that check synchronises on CUDA).
     """
     B, N, V = _check_inputs(target_probs, draft_tokens, cu_num_draft_tokens, uniform, exp_noise)
-    _check_cu_values(cu_num_draft_tokens, N)
+    check_cu_values(cu_num_draft_tokens, N)
     device = target_probs.device
     num_rows = N + B
     if B == 0:
@@ -254,8 +219,7 @@ if HAVE_TRITON:
         every access stays inside [0, N) for drafts and [0, N + B) for rows.
         """
         b = tl.program_id(0)
-        start = tl.minimum(tl.maximum(tl.load(cu_ptr + b - 1, mask=b > 0, other=0), 0), N).to(tl.int32)  # []
-        end = tl.minimum(tl.maximum(tl.load(cu_ptr + b), start), N).to(tl.int32)  # []
+        start, end = sequence_span(cu_ptr, b, N)  # [] [] its drafts, clamped
         k = end - start  # [] draft count
         row_start = start + b  # [] this sequence's first row
         probs_seq = probs_ptr + row_start.to(tl.int64) * stride_pr

@@ -160,3 +160,25 @@ def test_serve_takes_the_precision_from_the_command_line_else_the_local_route(tm
     main(["serve"])
     assert [(s.dtype, s.quantize, s.fp32_head) for s in started] == [
         ("float16", "int8", None), ("bfloat16", "int8", False), ("auto", "none", None)]
+
+
+def test_kernels_option(monkeypatch, capsys):
+    from foretell.cli import _resolve_env, build_parser
+
+    monkeypatch.delenv("FORETELL_KERNELS", raising=False)
+    args = build_parser().parse_args(["serve"])
+    _resolve_env(args)
+    assert args.kernels is None  # the engine's default: FORETELL_KERNELS, else auto
+    args = build_parser().parse_args(["generate", "--prompt-file", "-", "--kernels", "Reference"])
+    _resolve_env(args)
+    assert args.kernels == "reference"
+    monkeypatch.setenv("FORETELL_KERNELS", "triton")
+    args = build_parser().parse_args(["serve"])
+    _resolve_env(args)
+    assert args.kernels == "triton"
+    monkeypatch.setenv("FORETELL_KERNELS", "cuda")
+    args = build_parser().parse_args(["serve"])
+    with pytest.raises(SystemExit) as exit_:
+        _resolve_env(args)
+    assert exit_.value.code == 2
+    assert "FORETELL_KERNELS='cuda': must be auto, triton or reference" in capsys.readouterr().err

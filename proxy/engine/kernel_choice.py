@@ -150,33 +150,32 @@ def self_check(name: str, kernel: Callable, device: torch.device, dtype: torch.d
 
 
 def _check_attention(kernel, device, dtype, shape: AttentionShape, generator) -> str | None:
-    bs = shape.block_size
-    # Two sequences: one prefilling 2 blocks' worth after one cached block, one verifying 3 rows
-    # after 5 blocks; blocks handed out in a scrambled order.
-    context, new = [bs, 5 * bs], [2 * bs + 1, 3]
-    need = [-(-(c + n) // bs) for c, n in zip(context, new)]
-    order = torch.randperm(sum(need), generator=generator).tolist()
-    tables = torch.full((2, max(need)), -1, dtype=torch.int32)
-    tables[0, :need[0]] = torch.tensor(order[:need[0]], dtype=torch.int32)
-    tables[1, :need[1]] = torch.tensor(order[need[0]:], dtype=torch.int32)
-
-    def rand(*size):
-        return torch.randn(*size, generator=generator).to(device=device, dtype=dtype)
-
-    keys = rand(shape.kv_heads, sum(need) * bs, shape.head_dim)
-    values = rand(shape.kv_heads, sum(need) * bs, shape.head_dim)
-    query = rand(sum(new), shape.heads, shape.head_dim)
-    layout = dict(block_table=tables.to(device),
-                  query_start_loc=torch.tensor([0, new[0], sum(new)], dtype=torch.int32, device=device),
-                  seq_lens=torch.tensor([c + n for c, n in zip(context, new)], dtype=torch.int32, device=device),
-                  block_size=bs, scale=shape.head_dim ** -0.5)
+    """Two steps, so that both tile sizes the engine launches are compiled and checked: one
+    mixing a prefill chunk after a cached block with 3 verify rows, one decoding two sequences;
+    blocks handed out in a scrambled order; with and without the sliding window."""
     tolerance = 1e-4 if dtype == torch.float32 else 3e-2
-    for window in ([None] + ([shape.window] if shape.window else [])):
-        got = kernel(query, keys, values, window=window, **layout)
-        want = attention_module.ragged_paged_attention_reference(query, keys, values, window=window, **layout)
-        error = (got.float() - want.float()).abs().max().item()
-        if not error <= tolerance:  # NaN fails too
-            return f"output differs from the reference by {error:.3g} (window {window})"
+    bs = shape.block_size
+    for steps in ([(bs, 2 * bs + 1), (5 * bs, 3)], [(5 * bs, 1), (2 * bs + 3, 1)]):  # (cached, new)
+        need = [-(-(cached + new) // bs) for cached, new in steps]
+        order = torch.randperm(sum(need), generator=generator).tolist()
+        tables = torch.full((len(steps), max(need)), -1, dtype=torch.int32)
+        for b, count in enumerate(need):
+            tables[b, :count] = torch.tensor([order.pop() for _ in range(count)], dtype=torch.int32)
+        keys, values = (torch.randn(shape.kv_heads, sum(need) * bs, shape.head_dim, generator=generator)
+                        .to(device=device, dtype=dtype) for _ in range(2))
+        query = torch.randn(sum(new for _, new in steps), shape.heads, shape.head_dim,
+                            generator=generator).to(device=device, dtype=dtype)
+        starts = [0] + torch.tensor([new for _, new in steps]).cumsum(0).tolist()
+        layout = dict(block_table=tables.to(device),
+                      query_start_loc=torch.tensor(starts, dtype=torch.int32, device=device),
+                      seq_lens=torch.tensor([c + n for c, n in steps], dtype=torch.int32, device=device),
+                      block_size=bs, scale=shape.head_dim ** -0.5)
+        for window in ([None] + ([shape.window] if shape.window else [])):
+            got = kernel(query, keys, values, window=window, **layout)
+            want = attention_module.ragged_paged_attention_reference(query, keys, values, window=window, **layout)
+            error = (got.float() - want.float()).abs().max().item()
+            if not error <= tolerance:  # NaN fails too
+                return f"output differs from the reference by {error:.3g} (window {window})"
     return None
 
 

@@ -27,7 +27,7 @@ from foretell.kernels.launches import LAUNCHES  # noqa: E402
 # the package __init__, so the module has to be taken from sys.modules.
 gv = importlib.import_module("foretell.kernels.greedy_verify")
 
-DEVICE = torch.device(os.environ.get("FORETELL_TEST_DEVICE", "cpu"))
+from tests.kernels.flat import DEVICE, cu_of, dev, split, spans  # noqa: E402
 
 
 @pytest.fixture
@@ -58,31 +58,6 @@ greedy_verify_triton = gv.greedy_verify_triton
 # --------------------------------------------------------------------------- #
 # helpers
 # --------------------------------------------------------------------------- #
-
-
-def dev(*tensors):
-    out = tuple(t.to(DEVICE) for t in tensors)
-    return out if len(out) > 1 else out[0]
-
-
-def cu_of(ks):
-    """Inclusive cumsum of the per-sequence draft counts, int64, on DEVICE."""
-    return dev(torch.tensor(list(ks), dtype=torch.int64).cumsum(0))
-
-
-def spans(cu):
-    """Per sequence: (draft_start, k, row_start), from an inclusive cumsum."""
-    out, prev = [], 0
-    for b, c in enumerate(cu.tolist()):
-        out.append((prev, c - prev, prev + b))
-        prev = c
-    return out
-
-
-def split(output_tokens, cu):
-    """Flat output -> list of per-sequence lists."""
-    out = output_tokens.tolist()
-    return [out[rs:rs + k + 1] for _, k, rs in spans(cu)]
 
 
 def assert_same(got, want):
@@ -471,9 +446,9 @@ def _good():
 @pytest.mark.parametrize(
     "mutate,match",
     [
-        (lambda l, d, n: (l[0], d, n), "2-D"),
+        (lambda l, d, n: (l[0], d, n), r"logits must be \[N \+ B, V\]"),
         (lambda l, d, n: (l.long(), d, n), "floating-point"),
-        (lambda l, d, n: (l[:, :0], d, n), "vocabulary"),
+        (lambda l, d, n: (l[:, :0], d, n), "V >= 1"),
         (lambda l, d, n: (l, d.unsqueeze(0), n), "draft_tokens must be 1-D"),
         (lambda l, d, n: (l, d, n.unsqueeze(0)), "cu_num_draft_tokens must be 1-D"),
         (lambda l, d, n: (l, d.float(), n), "draft_tokens must be int64 or int32"),

@@ -20,8 +20,9 @@ import torch.nn.functional as F  # noqa: E402
 
 from foretell.kernels import LAUNCHES  # noqa: E402
 
+from tests.kernels.flat import DEVICE  # noqa: E402
+
 pa = importlib.import_module("foretell.kernels.paged_attention")
-DEVICE = torch.device(os.environ.get("FORETELL_TEST_DEVICE", "cpu"))
 TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 2e-2, torch.float16: 2e-2}
 
 pytestmark = pytest.mark.skipif(not pa.HAVE_TRITON, reason="triton is not installed")

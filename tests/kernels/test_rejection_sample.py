@@ -17,7 +17,7 @@ from foretell.kernels.launches import LAUNCHES  # noqa: E402
 rs = importlib.import_module("foretell.kernels.rejection_sample")
 reference, triton_fn = rs.rejection_sample_reference, rs.rejection_sample_triton
 
-DEVICE = torch.device(os.environ.get("FORETELL_TEST_DEVICE", "cpu"))
+from tests.kernels.flat import DEVICE, cu_of, dev, split, spans  # noqa: E402
 
 
 @pytest.fixture(autouse=True)
@@ -25,30 +25,6 @@ def interpreter_active():
     if DEVICE.type == "cpu" and not rs._kernels_interpreted():
         pytest.fail("Triton's interpreter is not active: TRITON_INTERPRET=1 must be set before "
                     "triton is first imported")
-
-
-def dev(*tensors):
-    out = tuple(t.to(DEVICE) for t in tensors)
-    return out if len(out) > 1 else out[0]
-
-
-def cu_of(ks):
-    return dev(torch.tensor(list(ks), dtype=torch.int64).cumsum(0))
-
-
-def spans(cu):
-    """Per sequence: (draft_start, k, row_start), from an inclusive cumsum."""
-    out, prev = [], 0
-    for b, c in enumerate(cu.tolist()):
-        out.append((prev, c - prev, prev + b))
-        prev = c
-    return out
-
-
-def split(output_tokens, cu):
-    """Flat output -> list of per-sequence lists."""
-    out = output_tokens.tolist()
-    return [out[r:r + k + 1] for _, k, r in spans(cu)]
 
 
 def kernel(**kw):
