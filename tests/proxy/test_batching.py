@@ -186,3 +186,35 @@ def test_sliding_layers_keep_only_their_window(tiny_model, tokenizer):
     result = engine.generate(GenerationRequest(prompt_ids=prompt, max_tokens=150, max_draft=8))
     assert result.token_ids == greedy_reference(tiny_model, prompt, 150)
     assert engine.cache._promised == {"full_attention": 0, "sliding_attention": 0}
+
+
+def test_n_siblings_share_the_first_choices_cached_prompt(tiny_model, tokenizer):
+    """``n > 1`` choices: the first prefills the prompt, the others wait for its blocks to be
+    cached and reuse them (their ``cached_tokens`` say so), through the scheduler as served."""
+    import asyncio
+
+    from foretell.proxy.engine.scheduler import DoneEvent, ErrorEvent, Scheduler
+
+    engine = SpeculativeEngine(tiny_model, tokenizer, kv_cache_tokens=4096)  # an empty prefix cache
+    prompt = tokenizer("def siblings(n):\n    return [choice(i) for i in range(n)]\n" * 3)["input_ids"]
+    scheduler = Scheduler(engine)
+
+    async def run():
+        job = scheduler.submit([GenerationRequest(prompt_ids=prompt, max_tokens=4) for _ in range(3)])
+        results = {}
+        while len(results) < 3:
+            event = await asyncio.wait_for(job.events.get(), timeout=120)
+            assert not isinstance(event, ErrorEvent), event.error
+            if isinstance(event, DoneEvent):
+                results[event.choice] = event.result
+        return results
+
+    try:
+        results = asyncio.run(run())
+    finally:
+        scheduler.close()
+    block = engine.cache.block_size
+    shared = (len(prompt) - 1) // block * block  # the prompt's complete blocks but the last token
+    assert shared >= 2 * block
+    assert [results[i].stats.cached_tokens for i in range(3)] == [0, shared, shared]
+    assert results[0].token_ids == results[1].token_ids == results[2].token_ids

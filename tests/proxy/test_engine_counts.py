@@ -166,3 +166,21 @@ def test_verify_takes_the_first_index_on_ties(engine, dtype):
     assert _verify(engine, [3, 9], rows) == (1, [3, 2])
     assert _verify(engine, [3, 2], rows) == (2, [3, 2, 0])
     assert _verify(engine, [], rows[:1]) == (0, [3])
+
+
+# ---- the room a round leaves ----------------------------------------------------------------
+
+@pytest.mark.parametrize("max_tokens", [1, 2, 7, 20])
+def test_a_draft_leaves_room_for_the_rounds_own_token(engine, case, max_tokens):
+    """A round yields its accepted drafts plus one token of the target's, so a draft may hold at
+    most ``room - 1`` tokens: one more would verify a position plain decoding never reaches. The
+    perfect prediction (48 tokens) can always offer that many, so it offers exactly that."""
+    seq = engine.add(GenerationRequest(prompt_ids=case.prompt_ids, max_tokens=max_tokens, prediction=case.text))
+    tokens, rounds = [], 0
+    while not seq.finished:
+        offered = {option.source: option.available for option in seq.draft_options()}
+        assert offered["prediction"] == seq.room - 1, (offered, seq.room)
+        for update in engine.step([seq]):
+            tokens += update.token_ids
+        rounds += 1
+    assert tokens == case.reference[:max_tokens] and rounds >= 1

@@ -102,6 +102,17 @@ def test_a_chunked_body_over_the_limit_is_refused_before_it_ends(server):
     assert b"body_too_large" in answer or b"x-request-id" in answer
 
 
+def test_a_declared_length_one_byte_over_the_limit_is_refused_before_the_body(server):
+    head = (f"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1:{server.port}\r\n"
+            f"Authorization: Bearer {API_KEY}\r\nContent-Type: application/json\r\n"
+            f"Content-Length: {LIMIT + 1}\r\n\r\n")
+    with socket.create_connection(("127.0.0.1", server.port), timeout=20) as sock:
+        sock.sendall(head.encode())  # and not one byte of the body: the header alone must do
+        sock.settimeout(10)
+        answer = sock.recv(65536)  # a server that reads the body first never answers
+    assert answer.startswith(b"HTTP/1.1 413"), answer[:200]
+
+
 def test_a_chunked_body_is_never_held_whole(server):
     Path(f"/proc/{server.process.pid}/clear_refs").write_text("5")  # VmHWM := VmRSS
     before = server.status("VmRSS")

@@ -51,6 +51,18 @@ def test_the_oldest_prompts_make_room():
     assert cache.lookup(b + [1], 1) == [] and cache.lookup(a + [1], 1) and cache.lookup(c + [1], 1)
 
 
+def test_storing_a_prompt_again_with_fewer_alternatives_keeps_the_richer_entries():
+    cache = PromptLogprobCache()
+    prompt = list(range(40, 60))
+    cache.store(prompt, 3, entries(prompt, 3))
+    cache.store(prompt, 1, entries(prompt, 1))  # the same prompt, asked with fewer alternatives
+    assert cache.positions == len(prompt) - 1  # one entry list, not two
+    known = cache.lookup(prompt + [1], 3)
+    assert len(known) == len(prompt) - 1 and all(len(e.top) == 3 for e in known)
+    cache.store(prompt, 5, entries(prompt, 5))  # a richer one replaces it
+    assert all(len(e.top) == 5 for e in cache.lookup(prompt + [1], 5))
+
+
 @pytest.fixture(scope="module")
 def engine(tiny_model, tokenizer):
     return SpeculativeEngine(tiny_model, tokenizer, kv_cache_tokens=4096)

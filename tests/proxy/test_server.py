@@ -259,6 +259,14 @@ def test_logprobs_with_a_prediction(client, tokenizer):
     assert logprobs.text_offset[0] == 0 and all(lp <= 0 for lp in logprobs.token_logprobs)
     for token, chosen, top in zip(logprobs.tokens, logprobs.token_logprobs, logprobs.top_logprobs):
         assert len(top) == 2 and max(top.values()) == pytest.approx(chosen)  # greedy took the best
+    # Streamed, the same request's logprobs arrive over several chunks; each token's text_offset
+    # still indexes the whole text (it runs on from the previous token's end, across chunks).
+    stream = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=12, temperature=0,
+                                       logprobs=2, extra_body={"prediction": prediction}, stream=True)
+    parts = [c.choices[0].logprobs for c in stream if c.choices and c.choices[0].logprobs]
+    assert len(parts) > 1
+    assert [t for part in parts for t in part.tokens] == logprobs.tokens
+    assert [o for part in parts for o in part.text_offset] == logprobs.text_offset
     chat = client.chat.completions.create(
         model=MODEL, messages=[{"role": "user", "content": "Say hi"}], max_completion_tokens=8,
         temperature=0.8, seed=3, logprobs=True, top_logprobs=3, prediction=prediction)
