@@ -125,8 +125,8 @@ class OnlinePassCost:
         return fit_line([p[0] for p in points], [p[1] for p in points], [math.sqrt(p[2]) for p in points])
 
 
-# Measured on the reference CPU machine for Gemma 3 270M (see design.md): a default for when no
-# measurement was taken.
+# Measured on the reference CPU machine for Gemma 3 270M in fp32 (benchmarks/pass_cost.py; the
+# figures are in docs/benchmarks.md): a default for when no measurement was taken.
 DEFAULT_PASS_COST = PassCostModel(fixed=0.068, per_position=0.004)
 # The sampling verify's own cost on top of the pass (distributions over the 262k vocabulary,
 # the draws, the kernel), measured the same way: it makes long drafts dearer when sampling.

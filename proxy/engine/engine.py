@@ -3,7 +3,9 @@ sequences in one target pass.
 
 A *step* runs one forward pass over every scheduled sequence's new positions, flattened into one
 ragged batch (``[num_tokens]`` ids, ``[num_verify_rows, V]`` logits with per-sequence offsets;
-never padded to ``[B, K+1, V]``):
+never padded to ``[B, K+1, V]``), attended in one kernel launch per layer on CUDA
+(``kernel_choice.py``) and verified in one launch per kind, every sequence at once
+(``verify.py``, vLLM's flat layout):
 
 - a sequence still in prefill feeds its next chunk of prompt tokens;
 - a running sequence feeds ``[pending] + draft`` (the last prefill chunk may be followed by

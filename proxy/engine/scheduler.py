@@ -47,7 +47,8 @@ class ErrorEvent:
 
 @dataclass
 class Job:
-    """One HTTP request for the local model: its choices and the events they produce."""
+    """One submission (a generation with its ``n`` choices): its requests and the events they
+    produce, read by whoever submitted it on the event loop."""
 
     requests: list[GenerationRequest]
     loop: asyncio.AbstractEventLoop

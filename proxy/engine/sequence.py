@@ -125,7 +125,7 @@ class TokenLogprob:
 class GenerationResult:
     token_ids: list[int]
     text: str
-    finish_reason: str  # "stop", "length" or "cancelled"
+    finish_reason: str  # "stop", "length", "cancelled" or "error" (the sequence failed in a step)
     stats: GenerationStats
     # Per output token: the draft source it was accepted from, or None for the target's own.
     token_origins: list[str | None] = field(default_factory=list)
