@@ -195,9 +195,9 @@ if HAVE_TRITON:
             col_ok = col_ok & (block >= 0)
             slot = block.to(tl.int64) * BLOCK_SIZE + k_pos % BLOCK_SIZE  # [N]
             kv_mask = col_ok[:, None] & dim_ok[None, :]
-            k = tl.load(key_ptr + kv_head * stride_kh + slot[:, None] * stride_ks + dims[None, :],
+            k = tl.load(key_ptr + kv_head.to(tl.int64) * stride_kh + slot[:, None] * stride_ks + dims[None, :],
                         mask=kv_mask, other=0.0).to(tl.float32)  # [N, DIM_PAD]
-            v = tl.load(value_ptr + kv_head * stride_vh + slot[:, None] * stride_vs + dims[None, :],
+            v = tl.load(value_ptr + kv_head.to(tl.int64) * stride_vh + slot[:, None] * stride_vs + dims[None, :],
                         mask=kv_mask, other=0.0).to(tl.float32)  # [N, DIM_PAD]
             scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale  # [M, N]
             visible = col_ok[None, :] & (k_pos[None, :] <= q_pos[:, None])  # [M, N]

@@ -364,7 +364,9 @@ class SpeculativeEngine:
         drafts = logits.argmax(dim=-1).tolist()
 
         def sample(n: int) -> None:
-            verify_step(self.kernels, logits[:n], [VerifyRows(0, drafts[: n - 1], sampler)])
+            (outcome,) = verify_step(self.kernels, logits[:n], [VerifyRows(0, drafts[: n - 1], sampler)])
+            if isinstance(outcome, Exception):  # never time a failing verify as if it worked
+                raise outcome
 
         self.sampling_cost = PassCostModel.measure(sample, positions=positions)
         return measured

@@ -152,9 +152,12 @@ def self_check(name: str, kernel: Callable, device: torch.device, dtype: torch.d
 def _check_attention(kernel, device, dtype, shape: AttentionShape, generator) -> str | None:
     """Two steps, so that both tile sizes the engine launches are compiled and checked: one
     mixing a prefill chunk after a cached block with 3 verify rows, one decoding two sequences;
-    blocks handed out in a scrambled order; with and without the sliding window."""
+    blocks handed out in a scrambled order. Each without a window, and on sliding models with a
+    window short enough to cross (the window is a run-time argument: the same compiled kernel),
+    the blocks wholly behind it released (-1) and their slots filled with NaN, as the cache does."""
     tolerance = 1e-4 if dtype == torch.float32 else 3e-2
     bs = shape.block_size
+    windows = [None] + ([min(shape.window, bs + 3)] if shape.window else [])
     for steps in ([(bs, 2 * bs + 1), (5 * bs, 3)], [(5 * bs, 1), (2 * bs + 3, 1)]):  # (cached, new)
         need = [-(-(cached + new) // bs) for cached, new in steps]
         order = torch.randperm(sum(need), generator=generator).tolist()
@@ -162,17 +165,25 @@ def _check_attention(kernel, device, dtype, shape: AttentionShape, generator) ->
         for b, count in enumerate(need):
             tables[b, :count] = torch.tensor([order.pop() for _ in range(count)], dtype=torch.int32)
         keys, values = (torch.randn(shape.kv_heads, sum(need) * bs, shape.head_dim, generator=generator)
-                        .to(device=device, dtype=dtype) for _ in range(2))
+                        .to(dtype=dtype) for _ in range(2))
         query = torch.randn(sum(new for _, new in steps), shape.heads, shape.head_dim,
                             generator=generator).to(device=device, dtype=dtype)
         starts = [0] + torch.tensor([new for _, new in steps]).cumsum(0).tolist()
-        layout = dict(block_table=tables.to(device),
-                      query_start_loc=torch.tensor(starts, dtype=torch.int32, device=device),
-                      seq_lens=torch.tensor([c + n for c, n in steps], dtype=torch.int32, device=device),
-                      block_size=bs, scale=shape.head_dim ** -0.5)
-        for window in ([None] + ([shape.window] if shape.window else [])):
-            got = kernel(query, keys, values, window=window, **layout)
-            want = attention_module.ragged_paged_attention_reference(query, keys, values, window=window, **layout)
+        for window in windows:
+            table, k, v = tables.clone(), keys.clone(), values.clone()
+            for b, (cached, _) in enumerate(steps):
+                behind = max(0, cached - window + 1) // bs if window else 0
+                for block in table[b, :behind].tolist():
+                    k[:, block * bs:(block + 1) * bs] = float("nan")
+                    v[:, block * bs:(block + 1) * bs] = float("nan")
+                table[b, :behind] = -1
+            layout = dict(block_table=table.to(device),
+                          query_start_loc=torch.tensor(starts, dtype=torch.int32, device=device),
+                          seq_lens=torch.tensor([c + n for c, n in steps], dtype=torch.int32, device=device),
+                          block_size=bs, scale=shape.head_dim ** -0.5, window=window)
+            k, v = k.to(device), v.to(device)
+            got = kernel(query, k, v, **layout)
+            want = attention_module.ragged_paged_attention_reference(query, k, v, **layout)
             error = (got.float() - want.float()).abs().max().item()
             if not error <= tolerance:  # NaN fails too
                 return f"output differs from the reference by {error:.3g} (window {window})"

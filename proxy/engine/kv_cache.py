@@ -332,12 +332,15 @@ class PagedKVCache:
         kernel = self.attention_kernel is not None
         for seq, count in feeds:
             start, end = seq.committed, seq.committed + count
-            q_pos = torch.arange(start, end, device=self.device)
+            q_pos = None if kernel else torch.arange(start, end, device=self.device)
             for g in self.groups:
+                first = max(0, start - self.window + 1) if g == SLIDING else 0
                 if kernel:  # the kernel finds the keys through the block tables
                     write[g].append(self._slots(g, seq, start, end))
+                    # The kernel skips a released block silently; the loop's gather would fail.
+                    assert g == FULL or None not in seq.tables[g][first // self.block_size:], \
+                        "a released sliding block was read"
                     continue
-                first = max(0, start - self.window + 1) if g == SLIDING else 0
                 slots = self._slots(g, seq, first, end)
                 write[g].append(slots[start - first:])
                 read[g].append(slots)

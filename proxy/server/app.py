@@ -115,8 +115,9 @@ def create_app(settings: ServerSettings, load_local=None) -> FastAPI:
 
     def load() -> None:
         try:
-            state["local"] = (load_local or _default_loader(settings))(metrics)
-            metrics.record_kernels(state["local"].kernels)
+            local = (load_local or _default_loader(settings))(metrics)
+            metrics.record_kernels(local.kernels)
+            state["local"] = local  # /health turns 200 here, with everything recorded
         except Exception as error:  # reported by /health, the server stays up
             state["load_error"] = f"{type(error).__name__}: {error}"
         # torch, transformers and the model are hundreds of thousands of objects that live as

@@ -161,3 +161,17 @@ def test_kernel_modes(monkeypatch):
     monkeypatch.setattr(kernel_choice, "_interpreted", lambda: False)
     with pytest.raises(ValueError, match="TRITON_INTERPRET=1"):
         kernel_choice.resolve_mode("triton", cpu)
+
+
+def test_the_self_check_catches_a_kernel_that_ignores_the_window():
+    """The check crosses a short window with released blocks, so a kernel wrong only on sliding
+    layers is caught too (Gemma 3's own window, 512, is longer than the check's sequences)."""
+    def no_window(*args, window=None, **kwargs):
+        return attention_module.ragged_paged_attention_triton(*args, window=None, **kwargs)
+
+    shape = kernel_choice.AttentionShape(heads=4, kv_heads=1, head_dim=32, block_size=4, window=512)
+    cpu = torch.device("cpu")
+    assert kernel_choice.self_check("paged_attention", attention_module.ragged_paged_attention_triton, cpu,
+                                    torch.float32, shape) is None
+    problem = kernel_choice.self_check("paged_attention", no_window, cpu, torch.float32, shape)
+    assert problem is not None and "window 7" in problem, problem
