@@ -21,7 +21,6 @@ import logging
 from typing import Callable
 
 import torch
-import torch.nn.functional as F
 
 from foretell.proxy.options import DTYPE_CHOICES, QUANTIZE_CHOICES
 

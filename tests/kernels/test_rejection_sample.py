@@ -17,7 +17,7 @@ from foretell.kernels.launches import LAUNCHES  # noqa: E402
 rs = importlib.import_module("foretell.kernels.rejection_sample")
 reference, triton_fn = rs.rejection_sample_reference, rs.rejection_sample_triton
 
-from tests.kernels.flat import DEVICE, cu_of, dev, split, spans  # noqa: E402
+from tests.kernels.flat import DEVICE, dev, split, spans  # noqa: E402
 
 
 @pytest.fixture(autouse=True)

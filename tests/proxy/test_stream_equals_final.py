@@ -13,10 +13,6 @@ one test runs the real embedded model on unicode.
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
-import time
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
@@ -25,7 +21,7 @@ import torch
 
 from foretell.proxy.engine import GenerationRequest, SpeculativeEngine
 from tests.helpers import stop_string_cut
-from tests.proxy.upstream_stub import free_port
+from tests.proxy.live_server import live_server
 
 REPLACEMENT = "\ufffd"
 MODEL = "tiny"
@@ -40,33 +36,12 @@ UNICODE_PREDICTION = "𝔘𝔫𝔦𝔠𝔬𝔡𝔢 🇫🇷🇯🇵 👩\u200d�
 # ---- over HTTP -------------------------------------------------------------------------------
 
 @pytest.fixture(scope="module")
-def server(tiny_model_folder):
-    port = free_port()
-    env = {k: v for k, v in os.environ.items() if not k.startswith("FORETELL_")}
-    env["HF_HUB_OFFLINE"] = "1"
-    process = subprocess.Popen(
-        [sys.executable, "-m", "foretell.cli", "serve", "--model", str(tiny_model_folder),
-         "--served-model-name", MODEL, "--port", str(port), "--no-calibrate", "--max-queue", "16",
-         "--max-running", "12", "--kv-cache-tokens", "16384", "--log-level", "warning"],
-        env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    base = f"http://127.0.0.1:{port}"
-    deadline = time.time() + 180
-    while True:
-        if process.poll() is not None:
-            raise RuntimeError("foretell serve exited:\n" + process.stdout.read())
-        try:
-            if httpx.get(base + "/health", timeout=2).status_code == 200:
-                break
-        except httpx.TransportError:
-            pass
-        if time.time() > deadline:
-            process.kill()
-            raise RuntimeError("foretell serve did not become healthy")
-        time.sleep(0.1)
-    with httpx.Client(base_url=base + "/v1", timeout=120) as client:
-        yield client
-    process.terminate()
-    process.wait(timeout=20)
+def server(tiny_model_folder, tmp_path_factory):
+    log = tmp_path_factory.mktemp("stream-equals-final") / "serve.log"
+    with live_server(tiny_model_folder, log, "--served-model-name", MODEL, "--max-queue", "16",
+                     "--max-running", "12", "--kv-cache-tokens", "16384", "--log-level", "warning") as live:
+        with httpx.Client(base_url=live.base + "/v1", timeout=120) as client:
+            yield client
 
 
 def body_for(endpoint: str, prompt: str, **fields) -> dict:
