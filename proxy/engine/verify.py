@@ -61,10 +61,14 @@ def verify_step(kernels, logits: torch.Tensor, entries: list[VerifyRows]) -> lis
 
 
 def _flat(logits: torch.Tensor, entries: list[VerifyRows]):
-    """The entries' rows [num_rows, V] (a view when they are the whole of ``logits``), drafts
+    """The entries' rows [num_rows, V] (a view when they lie in one run, as they do unless a
+    step mixes kinds or holds prompt-logprob rows: a copy is 1 MB a row at V = 262k), drafts
     [N] and cu_num_draft_tokens [B]."""
     index = [row for e in entries for row in range(e.first_row, e.first_row + len(e.draft) + 1)]
-    rows = logits if index == list(range(logits.shape[0])) else logits[torch.tensor(index, device=logits.device)]
+    if index == list(range(index[0], index[0] + len(index))):
+        rows = logits[index[0]:index[0] + len(index)]
+    else:
+        rows = logits[torch.tensor(index, device=logits.device)]
     drafts = [token for e in entries for token in e.draft]
     counts = torch.tensor([len(e.draft) for e in entries]).cumsum(0)
     host = torch.tensor(drafts + counts.tolist(), dtype=torch.long).to(logits.device)  # one copy
