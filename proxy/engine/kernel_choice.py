@@ -93,12 +93,18 @@ def _interpreted() -> bool:
             and rejection_module._kernels_interpreted())
 
 
-def resolve_mode(mode: str | None, device: torch.device) -> bool:
-    """Whether Triton runs for ``mode`` (None: ``FORETELL_KERNELS``, else auto) on ``device``.
-    Raises ValueError for a mode Triton cannot serve here."""
+def kernel_mode(mode: str | None) -> str:
+    """``mode``, else ``FORETELL_KERNELS``, else auto; checked."""
     mode = mode or os.environ.get("FORETELL_KERNELS") or "auto"
     if mode not in KERNEL_CHOICES:
         raise ValueError(f"kernels must be one of {', '.join(KERNEL_CHOICES)}, got {mode!r}")
+    return mode
+
+
+def resolve_mode(mode: str | None, device: torch.device) -> bool:
+    """Whether Triton runs for ``mode`` (``kernel_mode``) on ``device``. Raises ValueError for a
+    mode Triton cannot serve here."""
+    mode = kernel_mode(mode)
     if mode == "reference":
         return False
     if mode == "auto":
@@ -117,8 +123,8 @@ def choose_kernels(mode: str | None, device: torch.device, dtype: torch.dtype,
                    attention: AttentionShape) -> Kernels:
     """The engine's kernels for ``mode`` (None: ``FORETELL_KERNELS``, else auto), each Triton
     one checked against its reference first."""
+    mode = kernel_mode(mode)
     use_triton = resolve_mode(mode, device)
-    mode = mode or os.environ.get("FORETELL_KERNELS") or "auto"
     chosen = dict(REFERENCES)
     fallbacks = {}
     if use_triton:

@@ -11,6 +11,7 @@ numbers whatever shares its step.
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
 import torch
@@ -70,8 +71,8 @@ def _flat(logits: torch.Tensor, entries: list[VerifyRows]):
     else:
         rows = logits[torch.tensor(index, device=logits.device)]
     drafts = [token for e in entries for token in e.draft]
-    counts = torch.tensor([len(e.draft) for e in entries]).cumsum(0)
-    host = torch.tensor(drafts + counts.tolist(), dtype=torch.long).to(logits.device)  # one copy
+    cu = list(itertools.accumulate(len(e.draft) for e in entries))
+    host = torch.tensor(drafts + cu, dtype=torch.long).to(logits.device)  # one copy
     return rows, host[:len(drafts)], host[len(drafts):]
 
 
