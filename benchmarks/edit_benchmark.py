@@ -24,7 +24,7 @@ With ``--temperatures 0.7,1.0`` each temperature adds two sampled modes, seeded:
   pred+lu@T          the prediction with prompt lookup as fallback, sampling at temperature T
 and a second table gives their speed-up at the same temperature. Sampled texts differ between
 modes (other draws), so they are not compared token for token; that the speculative ones follow
-the target's distribution exactly is what tests/proxy/test_sampling.py checks.
+the target's distribution exactly is what tests/proxy/engine/test_sampling.py checks.
 
 With ``--special-cases`` two harder cases join the files, from issue 9's measurements:
   rename             webbrowser.py (~550 tokens) with "rename `url` to `target`"; the base model

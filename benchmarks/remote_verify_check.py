@@ -11,7 +11,7 @@ prediction, a prompt ending in a space (output that does not re-tokenise as writ
 prompt lookup alone.
 
 The test suite runs the same promises against a second ``foretell serve`` in CI
-(``tests/proxy/test_remote_verify.py``); this script is for upstreams CI cannot start.
+(``tests/proxy/server/test_remote_verify.py``); this script is for upstreams CI cannot start.
 
     python benchmarks/remote_verify_check.py --upstream http://127.0.0.1:8000 [--model remote-verify]
 """

@@ -9,7 +9,7 @@ os.environ.setdefault("TRITON_INTERPRET", "0" if os.environ.get("FORETELL_TEST_D
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # The suite's exactness oracle is the float32 model (plain greedy decoding, token for token), so
 # the commands and servers it starts run float32 unless a test asks for another precision
-# (tests/proxy/test_precision.py covers bf16, the default on a CPU with native bf16, and int8/int4).
+# (tests/proxy/engine/test_precision.py covers bf16, the default on a CPU with native bf16, and int8/int4).
 os.environ.setdefault("FORETELL_DTYPE", "float32")
 
 import pytest  # noqa: E402

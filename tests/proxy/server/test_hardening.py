@@ -1,5 +1,5 @@
 """The server's hardening (issue 10), over real HTTP: ``foretell serve`` with the tiny model and a
-stub upstream that misbehaves on purpose (tests/proxy/upstream_stub.py); plus the pure pieces
+stub upstream that misbehaves on purpose (tests/proxy/server/upstream_stub.py); plus the pure pieces
 (redaction across chunks, the Host check, the sampling filters, prediction usage) in process."""
 
 from __future__ import annotations
@@ -21,8 +21,8 @@ from foretell.proxy.engine.sampling import target_probs
 from foretell.proxy.server import upstream as upstream_module
 from foretell.proxy.server.guard import allowed_hosts, host_allowed
 from foretell.proxy.server.redact import Redactor
-from tests.proxy.live_server import live_server
-from tests.proxy.upstream_stub import StubServer
+from tests.e2e.live_server import live_server
+from tests.proxy.server.upstream_stub import StubServer
 
 API_KEY = "sk-hardening"
 UPSTREAM_KEY = "route-key-0123456789abcdef"

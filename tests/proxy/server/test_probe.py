@@ -13,7 +13,7 @@ import time
 import httpx
 import pytest
 
-from tests.proxy.live_server import live_server
+from tests.e2e.live_server import live_server
 
 API_KEY = "sk-probe"
 MODEL = "tiny"

@@ -20,8 +20,8 @@ from starlette.testclient import TestClient
 
 from foretell.proxy.server import ServerSettings, create_app
 from foretell.proxy.server.logs import ACCESS_FIELDS, configure_logging
-from tests.proxy.live_server import live_server
-from tests.proxy.upstream_stub import StubServer, free_port
+from tests.e2e.live_server import live_server
+from tests.proxy.server.upstream_stub import StubServer, free_port
 
 API_KEY = "sk-log-test-key-3141"
 WRONG_KEY = "sk-wrong-key-2718"

@@ -11,7 +11,7 @@ import pytest
 from foretell.proxy.engine import GenerationRequest, SpeculativeEngine
 from tests.helpers import assert_greedy_equal, greedy_reference
 
-EDIT_DIR = Path(__file__).resolve().parents[2] / "examples" / "edit"
+EDIT_DIR = Path(__file__).resolve().parents[3] / "examples" / "edit"
 MIN_SHARE_AFTER_SEAM = 0.90
 
 

@@ -8,7 +8,7 @@ import pytest
 
 from foretell.proxy.server.upstream import Upstream, load_routes, prepare_body
 
-EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "foretell.toml"
+EXAMPLE = Path(__file__).resolve().parents[3] / "examples" / "foretell.toml"
 
 
 def test_example_config_loads():

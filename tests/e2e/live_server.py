@@ -13,7 +13,7 @@ from pathlib import Path
 
 import httpx
 
-from tests.proxy.upstream_stub import free_port
+from tests.proxy.server.upstream_stub import free_port
 
 
 @dataclass

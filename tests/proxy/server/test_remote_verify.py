@@ -25,7 +25,7 @@ import httpx
 import pytest
 import torch
 
-from tests.proxy.upstream_stub import ECHO_GOLD, ECHO_PROMPT, StubServer, echo_greedy, free_port
+from tests.proxy.server.upstream_stub import ECHO_GOLD, ECHO_PROMPT, StubServer, echo_greedy, free_port
 
 PROMPT = "the quick brown fox jumps over the lazy dog and"
 N = 40

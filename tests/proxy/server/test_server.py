@@ -15,7 +15,7 @@ import openai
 import pytest
 
 from foretell.proxy.engine import GenerationRequest, SpeculativeEngine
-from tests.proxy.upstream_stub import StubServer, free_port
+from tests.proxy.server.upstream_stub import StubServer, free_port
 
 API_KEY = "sk-test-key"
 UPSTREAM_KEY = "upstream-secret-key"

@@ -221,7 +221,7 @@ def test_embedded_model_in_bf16_equals_its_own_plain_decoding(embedded_bf16, sou
 
     loaded, engine = embedded_bf16
     assert engine.precision == "bfloat16+fp32-head"
-    edit_dir = Path(__file__).resolve().parents[2] / "examples" / "edit"
+    edit_dir = Path(__file__).resolve().parents[3] / "examples" / "edit"
     before = (edit_dir / "before.py").read_text()
     prompt_ids = loaded.tokenizer(before + "\n\n" + (edit_dir / "prompt.txt").read_text())["input_ids"]
     plain = engine.generate(GenerationRequest(prompt_ids=prompt_ids, max_tokens=120))

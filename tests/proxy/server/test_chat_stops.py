@@ -22,7 +22,7 @@ from foretell.proxy.engine import GenerationRequest, SpeculativeEngine
 from foretell.proxy.server import ServerSettings, create_app
 from foretell.proxy.server.prompts import PLAIN_TRANSCRIPT_STOPS, chat_prompt, implied_chat_stops
 from foretell.proxy.server.schema import ChatCompletionRequest
-from tests.proxy.test_stream_equals_final import build_cycle_model
+from tests.proxy.server.test_stream_equals_final import build_cycle_model
 
 # A minimal template in Gemma 3's turn format (written here; the embedded model's tokenizer has
 # no template, its GGUF file carries none).

@@ -21,7 +21,7 @@ import torch
 
 from foretell.proxy.engine import GenerationRequest, SpeculativeEngine
 from tests.helpers import stop_string_cut
-from tests.proxy.live_server import live_server
+from tests.e2e.live_server import live_server
 
 REPLACEMENT = "\ufffd"
 MODEL = "tiny"

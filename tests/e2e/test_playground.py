@@ -15,8 +15,8 @@ import httpx
 import pytest
 
 from foretell.sdk.edit import build_edit_prompt, extract_edited_text
-from tests.proxy.live_server import live_server
-from tests.proxy.upstream_stub import StubServer
+from tests.e2e.live_server import live_server
+from tests.proxy.server.upstream_stub import StubServer
 
 CHROMIUM = os.environ.get("FORETELL_CHROMIUM", "/usr/bin/chromium")
 CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",

@@ -142,7 +142,7 @@ def test_cancellation_stops_promptly(tiny_engine, tiny_case):
 
 # ---- the real embedded model -------------------------------------------------------------
 
-EDIT_DIR = __import__("pathlib").Path(__file__).resolve().parents[2] / "examples" / "edit"
+EDIT_DIR = __import__("pathlib").Path(__file__).resolve().parents[3] / "examples" / "edit"
 
 
 @pytest.fixture(scope="module")

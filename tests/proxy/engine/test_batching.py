@@ -77,7 +77,7 @@ def check_batched_equals_alone(engine, model, requests, levels=(4, 8), seed=0):
         for request, solo, got in zip(requests, alone, batched):
             if got.token_ids != solo.token_ids:
                 diverged += 1
-                # The solo run is exact (tests/proxy/test_engine_exactness.py); a batched one may
+                # The solo run is exact (tests/proxy/engine/test_engine_exactness.py); a batched one may
                 # part from it only at a near tie.
                 common = min(len(got.token_ids), len(solo.token_ids))
                 assert_greedy_equal(model, request.prompt_ids, got.token_ids[:common],
