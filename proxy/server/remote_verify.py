@@ -60,14 +60,13 @@ import logging
 import re
 import statistics
 import time
-import uuid
 from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
 from fastapi import Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse
 
 from foretell.proxy.engine.detokenizer import IncrementalDetokenizer, StopStringHold
 from foretell.proxy.engine.draft_length import (
@@ -82,6 +81,7 @@ from foretell.proxy.engine.prediction_usage import prediction_token_usage
 from foretell.proxy.engine.sequence import GenerationStats, SourceStats
 from foretell.proxy.server.prompts import chat_prompt, end_of_turn_ids
 from foretell.proxy.server.redact import Redactor
+from foretell.proxy.server.responses import ClientGone, Shape, client_gone, stream_response
 from foretell.proxy.server.schema import APIError, ChatCompletionRequest
 
 log = logging.getLogger("foretell.server")
@@ -124,10 +124,6 @@ class RemoteFailure(Exception):
         self.unsupported = unsupported  # the upstream does not do echo with prompt logprobs
         self.status = status  # the upstream's HTTP status, when it answered one
         self.id_prompts_refused = False  # the request may go on with text prompts
-
-
-class ClientGone(Exception):
-    pass
 
 
 # ---- tokenizers -------------------------------------------------------------------------------
@@ -455,7 +451,9 @@ class RemoteVerifier:
     # ---- which requests ---------------------------------------------------------------------
 
     def applies(self, upstream, parsed, body: dict) -> bool:
-        """Does this request for ``upstream`` run the loop here (else it is forwarded)?"""
+        """Does this request for ``upstream`` run the loop here (else it is forwarded)? A
+        prediction over the server's limit never gets here: ``request_builder.plan`` refuses it
+        (413) on every route."""
         state = self.states.get(upstream.name)
         if state is None or not state.enabled or upstream.supports_prediction:
             return False  # off, not (yet) found to work, or the upstream takes `prediction` itself
@@ -463,8 +461,6 @@ class RemoteVerifier:
             return False  # greedy only, by explicit temperature 0 (an upstream's default may differ)
         speculation = parsed.speculation
         if parsed.prediction is None and not (speculation and speculation.prompt_lookup):
-            return False
-        if parsed.prediction is not None and len(parsed.prediction.text()) > self.settings.max_prediction_chars:
             return False
         if any(value not in (None, False) for key, value in body.items() if key not in HANDLED_FIELDS):
             return False  # logprobs, echo, penalties, tools...: forwarded as before
@@ -476,13 +472,14 @@ class RemoteVerifier:
 
     # ---- one request ------------------------------------------------------------------------------
 
-    async def run(self, request: Request, upstream, parsed, body: dict, is_chat: bool, forward):
-        """Answer the request with the loop; ``forward()`` answers it as before."""
+    async def run(self, request: Request, upstream, parsed, plan, body: dict, forward):
+        """Answer the request with the loop; ``forward()`` answers it as before. ``plan`` is the
+        request's ``RequestPlan``: its length, prediction, stops and speculation, defaults filled in."""
         state = self.states[upstream.name]
         if state.loading is not None:
             await asyncio.shield(state.loading)
         tokenizer = state.tokenizer
-        if is_chat:
+        if plan.is_chat:
             if tokenizer is None or not getattr(tokenizer, "chat_template", None):
                 return await forward()
             prompt = await asyncio.to_thread(chat_prompt, tokenizer, parsed.messages)
@@ -490,18 +487,13 @@ class RemoteVerifier:
             eos_ids = state.eos_ids | frozenset(await asyncio.to_thread(end_of_turn_ids, tokenizer))
             # The template writes the BOS itself (vLLM's chat endpoint adds no special tokens).
             special = False
-            max_tokens = parsed.max_tokens_or(self.settings.default_max_tokens)
         else:
             prompt = parsed.prompt
             special = body.get("add_special_tokens")
             if not isinstance(special, bool):
                 special = None
-            max_tokens = parsed.max_tokens_or(16)
             eos_ids = state.eos_ids
-        speculation = parsed.speculation
-        prediction = parsed.prediction.text() if parsed.prediction else None
-        lookup = speculation.prompt_lookup if speculation and speculation.prompt_lookup is not None else (
-            prediction is not None)
+        lookup = plan.prompt_lookup if plan.prompt_lookup is not None else plan.prediction is not None
         request_id = request.scope.get("foretell.request_id", "-")
         last_check = [0.0]
 
@@ -511,10 +503,9 @@ class RemoteVerifier:
             last_check[0] = time.monotonic()
             return await request.is_disconnected()
 
-        session = Session(self, state, parsed.model, prompt, special, max_tokens, parsed.stop_strings(),
-                          prediction, lookup, (speculation and speculation.max_draft) or DEFAULT_MAX_DRAFT,
-                          request_id, gone, eos_ids)
-        shape = _Shape(parsed.model, is_chat, upstream.name)
+        session = Session(self, state, parsed.model, prompt, special, plan.max_tokens, plan.stop,
+                          plan.prediction, lookup, plan.max_draft or DEFAULT_MAX_DRAFT, request_id, gone, eos_ids)
+        shape = Shape(parsed.model, plan.is_chat)
         headers = {"x-foretell-upstream": upstream.name,
                    "x-foretell-note": "prediction verified remotely (echo with prompt logprobs)"}
         if not parsed.stream:
@@ -522,17 +513,17 @@ class RemoteVerifier:
                 async for _ in session.events():
                     pass
             except ClientGone:
-                return Response(status_code=499)
-            return JSONResponse(await shape.body(session), headers=headers)
-        include_usage = bool(parsed.stream_options and parsed.stream_options.include_usage)
+                return client_gone()
+            usage, report = await session.usage()
+            choice = shape.choice(0, session.out.text, session.out.finish_reason or "stop")
+            return JSONResponse(shape.body([choice], usage, report), headers=headers)
         events = session.events()
         try:
             first = await anext(events, None)  # the first round: a failure here is a plain HTTP error
         except BaseException:
             await events.aclose()
             raise
-        return StreamingResponse(shape.stream(session, events, first, include_usage),
-                                 media_type="text/event-stream", headers=headers)
+        return stream_response(_chunks(shape, session, events, first, plan.include_usage), headers=headers)
 
 
 # ---- the loop ---------------------------------------------------------------------------------
@@ -1073,59 +1064,21 @@ async def _sse_events(response: httpx.Response):
 
 # ---- response shapes ----------------------------------------------------------------------------
 
-class _Shape:
-    def __init__(self, model: str, is_chat: bool, upstream: str):
-        self.model, self.is_chat, self.upstream = model, is_chat, upstream
-        self.id = ("chatcmpl-" if is_chat else "cmpl-") + uuid.uuid4().hex
-        self.created = int(time.time())
-        self.kind = "chat.completion.chunk" if is_chat else "text_completion"
-
-    async def body(self, session: Session) -> dict:
+async def _chunks(shape: Shape, session: Session, events, first: str | None, include_usage: bool):
+    """A stream's chunks: ``first`` (the first round's text) and the session's further pieces,
+    then the finish and the usage. An upstream that fails mid-stream is a 502 error event."""
+    async with contextlib.aclosing(events):
+        try:
+            if shape.is_chat:
+                yield shape.role_chunk()
+            if first:
+                yield shape.chunk(first)
+            async for piece in events:
+                if piece:
+                    yield shape.chunk(piece)
+        except RemoteFailure as failure:
+            raise APIError(502, str(failure), type="upstream_error", code="upstream_error") from None
+    yield shape.finish_chunk(session.out.finish_reason or "stop")
+    if include_usage:
         usage, report = await session.usage()
-        finish = session.out.finish_reason or "stop"
-        if self.is_chat:
-            choice = {"index": 0, "message": {"role": "assistant", "content": session.out.text},
-                      "logprobs": None, "finish_reason": finish}
-        else:
-            choice = {"index": 0, "text": session.out.text, "logprobs": None, "finish_reason": finish}
-        return {"id": self.id, "object": "chat.completion" if self.is_chat else "text_completion",
-                "created": self.created, "model": self.model, "choices": [choice], "usage": usage,
-                "speculation": report}
-
-    def chunk(self, text: str | None, finish_reason=None, role=False) -> bytes:
-        if self.is_chat:
-            delta = {"role": "assistant", "content": ""} if role else ({"content": text} if text else {})
-            choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
-        else:
-            choice = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish_reason}
-        return _sse({"id": self.id, "object": self.kind, "created": self.created, "model": self.model,
-                     "choices": [choice]})
-
-    async def stream(self, session: Session, events, first: str | None, include_usage: bool):
-        async with contextlib.aclosing(events):
-            try:
-                if self.is_chat:
-                    yield self.chunk(None, role=True)
-                if first:
-                    yield self.chunk(first)
-                async for piece in events:
-                    if piece:
-                        yield self.chunk(piece)
-            except (APIError, RemoteFailure) as error:
-                failure = error if isinstance(error, APIError) else APIError(
-                    502, str(error), type="upstream_error", code="upstream_error")
-                yield _sse(failure.body())
-                yield b"data: [DONE]\n\n"
-                return
-            except ClientGone:
-                return
-            yield self.chunk(None if self.is_chat else "", finish_reason=session.out.finish_reason or "stop")
-            if include_usage:
-                usage, report = await session.usage()
-                yield _sse({"id": self.id, "object": self.kind, "created": self.created, "model": self.model,
-                            "choices": [], "usage": usage, "speculation": report})
-            yield b"data: [DONE]\n\n"
-
-
-def _sse(payload) -> bytes:
-    return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n".encode()
+        yield shape.usage_chunk(usage, report)

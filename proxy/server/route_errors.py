@@ -1,10 +1,25 @@
-"""Unknown paths (404) and wrong methods (405) in OpenAI's envelope, with a hint for the usual
-slip: a base URL without ``/v1`` (``POST /chat/completions``), or with it twice, or a trailing
-slash."""
+"""Errors in OpenAI's envelope: the app's exception handlers. Unknown paths (404) and wrong
+methods (405) come with a hint for the usual slip: a base URL without ``/v1``
+(``POST /chat/completions``), or with it twice, or a trailing slash."""
 
 from __future__ import annotations
 
+from fastapi import Request
+from starlette.exceptions import HTTPException
+
+from foretell.proxy.server.guard import error_response
+from foretell.proxy.server.routes import PATHS
 from foretell.proxy.server.schema import APIError
+
+
+async def api_error_handler(request: Request, error: APIError):
+    return error_response(error)
+
+
+async def http_error_handler(request: Request, error: HTTPException):
+    """Starlette's routing errors (unknown paths and methods) in the same envelope as every other."""
+    return error_response(route_error(request.method, request.url.path, error.status_code, str(error.detail),
+                                      error.headers, PATHS))
 
 
 def route_error(method: str, path: str, status: int, detail: str, headers: dict | None,

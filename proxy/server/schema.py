@@ -216,6 +216,32 @@ class ChatCompletionRequest(_SamplingFields):
         return super().max_tokens_or(default)
 
 
+class TokenizeRequest(_Lenient):
+    """vLLM's ``POST /tokenize``."""
+
+    model: str | None = None
+    prompt: Text | None = None
+    messages: list[ChatMessage] | None = None
+    # vLLM's defaults: special tokens (BOS) for a prompt, none for messages (the template has them).
+    add_special_tokens: StrictBool | None = None
+    add_generation_prompt: StrictBool = True
+
+    @model_validator(mode="after")
+    def _one_input(self):
+        if (self.prompt is None) == (self.messages is None):
+            raise ValueError("send either prompt or messages")
+        if self.messages is not None and not self.messages:
+            raise ValueError("messages must not be empty")
+        return self
+
+
+class DetokenizeRequest(_Lenient):
+    """vLLM's ``POST /detokenize``."""
+
+    model: str | None = None
+    tokens: list[StrictInt] = Field(max_length=1_000_000)
+
+
 # Every field name of the request models; anything else in an error location is pydantic naming
 # the member of a union it tried ("str", "list[str]", "function-after[...]"): not a param.
 _FIELDS = frozenset(name for model in (CompletionRequest, ChatCompletionRequest, ChatMessage,
@@ -235,3 +261,12 @@ def describe_validation_error(error) -> tuple[str, str | None]:
     location = ".".join(parts)
     message = first.get("msg", "invalid request").removeprefix("Value error, ")
     return (f"{location}: {message}" if location else message), (location or None)
+
+
+def validate(schema, body: dict):
+    """``body`` as a ``schema`` instance, or APIError 400 (never FastAPI's 422)."""
+    try:
+        return schema.model_validate(body)
+    except ValidationError as error:
+        message, param = describe_validation_error(error)
+        raise APIError(400, message, param=param) from None

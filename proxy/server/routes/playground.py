@@ -1,5 +1,5 @@
 """The playground: a static page at ``/`` (HTML, CSS and JS shipped as package data in
-``static/``; no build step, nothing fetched from elsewhere).
+``proxy/server/static/``; no build step, nothing fetched from elsewhere).
 
 The page talks to this server's own ``/v1`` API with ``fetch``: same origin, so none of the
 guard's rules change (a POST is still JSON with the key in ``Authorization``). The page itself
@@ -12,10 +12,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from fastapi import FastAPI
+from fastapi import APIRouter
 from fastapi.responses import Response
 
-STATIC = Path(__file__).with_name("static")
+STATIC = Path(__file__).parents[1] / "static"  # package data of foretell.proxy.server
 
 # URL path -> (file in static/, media type)
 FILES = {
@@ -34,16 +34,17 @@ HEADERS = {
 }
 
 
-def add_playground(app: FastAPI) -> None:
-    """Serve the playground's files (read once, at the first request for each)."""
-    cache: dict[str, bytes] = {}
+router = APIRouter(include_in_schema=False)
+_cache: dict[str, bytes] = {}  # each file read once, at the first request for it
 
-    def route(name: str, media_type: str):
-        async def serve() -> Response:
-            if name not in cache:
-                cache[name] = (STATIC / name).read_bytes()
-            return Response(cache[name], media_type=media_type, headers=HEADERS)
-        return serve
 
-    for path, (name, media_type) in FILES.items():
-        app.add_api_route(path, route(name, media_type), methods=["GET"], include_in_schema=False)
+def _route(name: str, media_type: str):
+    async def serve() -> Response:
+        if name not in _cache:
+            _cache[name] = (STATIC / name).read_bytes()
+        return Response(_cache[name], media_type=media_type, headers=HEADERS)
+    return serve
+
+
+for _path, (_name, _media_type) in FILES.items():
+    router.add_api_route(_path, _route(_name, _media_type), methods=["GET"])

@@ -1,0 +1,78 @@
+"""Which path answers a generation request: the local engine (``local_generation.py``, or
+``echo.py`` for echo and token ids), remote verification on an upstream (``remote_verify.py``),
+or a plain forward (``upstream.py``); a full local queue goes to the route's fallback upstream."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+from fastapi import Request
+
+from foretell.proxy.engine.scheduler import QueueFullError
+from foretell.proxy.server import echo, local_generation
+from foretell.proxy.server.logs import note
+from foretell.proxy.server.redact import Redactor
+from foretell.proxy.server.request_builder import plan
+from foretell.proxy.server.schema import APIError, ChatCompletionRequest, validate
+from foretell.proxy.server.state import ServerState, model_loading
+from foretell.proxy.server.upstream import ModelRoute, prepare_body, relay
+
+log = logging.getLogger("foretell.server")
+
+
+async def generate(request: Request, server: ServerState, body: dict, schema):
+    """Answer a completion (``schema`` CompletionRequest) or chat completion request."""
+    # A body of many small parts (100k messages) takes a second to validate.
+    parsed = await asyncio.to_thread(validate, schema, body)
+    route = _route(request, server, parsed)
+    planned = plan(parsed, server.settings)  # the limits hold on every route (request_builder.py)
+    path = "/chat/completions" if isinstance(parsed, ChatCompletionRequest) else "/completions"
+    if not route.local:
+        upstream = server.settings.routes.upstreams[route.upstream]
+
+        async def forward_here():
+            return await forward(request, server, upstream, path, body, parsed.stream)
+
+        if server.remote.applies(upstream, parsed, body):
+            return await server.remote.run(request, upstream, parsed, planned, body, forward_here)
+        return await forward_here()
+    local = server.loaded()
+    try:
+        if echo.wanted(parsed):  # echo, prompt logprobs, token ids
+            return await echo.run(request, server, local, parsed, planned)
+        return await local_generation.run(request, server, local, parsed, planned)
+    except QueueFullError:
+        if route.fallback:
+            note(request.scope, route=route.fallback)
+            return await forward(request, server, server.settings.routes.upstreams[route.fallback], path, body,
+                                 parsed.stream)
+        raise APIError(429, "the server is busy: queue full", type="rate_limit_error",
+                       code="queue_full", headers={"Retry-After": "1"}) from None
+
+
+def _route(request: Request, server: ServerState, parsed) -> ModelRoute:
+    """The route of the model asked for; APIError 404 for a model served nowhere."""
+    route = server.settings.routes.route_for(parsed.model, server.local_names())
+    note(request.scope, model=parsed.model)
+    if route is None:
+        if server.local is None and not server.load_error:
+            raise model_loading()  # the local model's name is known once it has loaded: it may be this one
+        raise APIError(404, f"model {parsed.model!r} does not exist", param="model", code="model_not_found")
+    note(request.scope, route="local" if route.local else route.upstream)
+    return route
+
+
+async def forward(request: Request, server: ServerState, upstream, path: str, body: dict, stream: bool):
+    """Relay the request to ``upstream`` as sent (less what is foretell's own)."""
+    request_id = request.scope.get("foretell.request_id", "-")
+    body, notes = prepare_body(body, upstream)
+    # Whatever an upstream answers is relayed without any route's key in it.
+    redactor = Redactor(server.settings.routes.keys())
+    try:
+        response = await server.forwarder.open(upstream, path, body)
+        return await relay(response, upstream, stream=stream, notes=notes, redactor=redactor,
+                           request_id=request_id)
+    except APIError as error:
+        log.warning("%s: %s", request_id, redactor.text(error.message))
+        raise

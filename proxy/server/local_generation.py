@@ -1,0 +1,74 @@
+"""A completion or chat completion on the local engine (the echo path is ``echo.py``): the prompt
+tokenised off the event loop, one engine request per choice submitted to the scheduler, the
+answer written as a body or a stream."""
+
+from __future__ import annotations
+
+import asyncio
+
+from fastapi import Request
+
+from foretell.proxy.engine.scheduler import TokensEvent
+from foretell.proxy.server.local_jobs import LocalJob, answer
+from foretell.proxy.server.logprobs_format import (
+    RunningCompletionLogprobs,
+    TokenTexts,
+    chat_logprobs,
+    completion_logprobs,
+)
+from foretell.proxy.server.origins import OriginSpans
+from foretell.proxy.server.prompts import request_prompt_ids
+from foretell.proxy.server.request_builder import RequestPlan, engine_requests
+from foretell.proxy.server.responses import Shape, engine_usage, finish_reason, speculation_report
+
+
+async def run(request: Request, server, local, parsed, plan: RequestPlan):
+    """Answer ``parsed`` on ``local``; QueueFullError when the scheduler's queue is full."""
+    # Templates and tokenisation take seconds on a large prompt: off the event loop.
+    async with server.prompt_slots:
+        prompt_ids = await asyncio.to_thread(request_prompt_ids, local.tokenizer, parsed, plan.is_chat,
+                                             local.context)
+    choices = engine_requests(parsed, plan, prompt_ids, local)
+    shape, texts = Shape(local.name, plan.is_chat), TokenTexts(local.tokenizer)
+    origins = OriginSpans(local.tokenizer, choices[0].stop) if plan.report_origins and parsed.stream else None
+    return await answer(request, server, local, choices, parsed.stream,
+                        lambda job: _chunks(job, shape, texts, plan.include_usage, origins),
+                        lambda results: _body(shape, texts, results))
+
+
+def _body(shape: Shape, texts: TokenTexts, results) -> dict:
+    """The whole answer: every choice, the usage of all, the first choice's speculation report."""
+    shape_logprobs = chat_logprobs if shape.is_chat else completion_logprobs
+    choices = [shape.choice(index, result.text, finish_reason(result),
+                            shape_logprobs(result.logprobs, texts) if result.logprobs is not None else None)
+               for index, result in enumerate(results)]
+    usage = engine_usage(results[0].stats, sum(result.stats.completion_tokens for result in results))
+    return shape.body(choices, usage, speculation_report(results[0]))
+
+
+async def _chunks(job: LocalJob, shape: Shape, texts: TokenTexts, include_usage: bool,
+                  origins: OriginSpans | None):
+    """The stream's chunks: text as the engine confirms it, then the finish and the usage."""
+    completion_logprobs_so_far = RunningCompletionLogprobs(texts)
+    try:
+        if shape.is_chat:
+            yield shape.role_chunk()
+        while True:
+            event = await job.next_event()
+            if not isinstance(event, TokensEvent):
+                result = event.result
+                yield shape.finish_chunk(finish_reason(result))
+                if include_usage:
+                    yield shape.usage_chunk(engine_usage(result.stats), speculation_report(result))
+                return
+            if origins is not None:  # the report_origins extension
+                origins.add(event.token_ids, event.origins)
+            if event.text or event.logprobs:
+                logprobs = None
+                if event.logprobs:
+                    logprobs = (chat_logprobs(event.logprobs, texts) if shape.is_chat
+                                else completion_logprobs_so_far(event.logprobs))
+                extra = {"foretell": origins.report(event.text)} if origins is not None else None
+                yield shape.chunk(event.text, logprobs, extra=extra)
+    finally:
+        job.cancel()  # no-op when finished; stops the engine if the client went away

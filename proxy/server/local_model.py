@@ -1,0 +1,57 @@
+"""The local model as the server holds it: the engine behind its scheduler, its names, its
+tokenizer and limits; and the default loader, which builds one from the server's settings."""
+
+from __future__ import annotations
+
+import logging
+
+from foretell.proxy.server.metrics import Metrics
+from foretell.proxy.server.prompts import implied_chat_stops
+from foretell.proxy.server.settings import ServerSettings
+
+log = logging.getLogger("foretell.server")
+
+
+class LocalModel:
+    """The engine, its scheduler and its names, once loaded."""
+
+    def __init__(self, loaded, scheduler, served_name: str):
+        self.loaded, self.scheduler, self.name = loaded, scheduler, served_name
+        self.precision = scheduler.engine.precision  # e.g. bfloat16+fp32-head, shown by /health
+        self.kernels = scheduler.engine.kernels.describe()  # which run Triton, which fell back
+        self.tokenizer = loaded.tokenizer
+        # The engine's own limit (None: the model names none), checked here before queueing.
+        self.context = scheduler.engine.max_positions
+        # What ends a chat answer besides the request's stops: the plain transcript's next role
+        # marker, or the chat template's end-of-turn tokens.
+        self.chat_stops, self.chat_stop_token_ids = implied_chat_stops(self.tokenizer)
+
+
+def default_loader(settings: ServerSettings):
+    """``load(metrics) -> LocalModel`` for ``settings.model`` (the embedded model when None)."""
+
+    def load(metrics: Metrics) -> LocalModel:
+        from foretell.proxy.engine import SpeculativeEngine
+        from foretell.proxy.engine.calibration_cache import calibrate_with_cache
+        from foretell.proxy.engine.model_loader import load_model
+        from foretell.proxy.engine.scheduler import Scheduler
+
+        loaded = load_model(settings.model, dtype=settings.dtype, quantize=settings.quantize,
+                            fp32_head=settings.fp32_head)
+        engine = SpeculativeEngine(loaded.model, loaded.tokenizer, kv_cache_tokens=settings.kv_cache_tokens,
+                                   prefill_chunk=settings.prefill_chunk, max_sequences=settings.max_running,
+                                   fp32_head=settings.fp32_head, kernels=settings.kernels)
+        log.info("engine precision: %s; kernels: %s", engine.precision,
+                 ", ".join(engine.kernels.triton) or "torch references")
+        if settings.calibrate:  # from the calibration cache when this machine measured it before
+            calibrate_with_cache(engine, loaded.source, recalibrate=settings.recalibrate)
+        name = settings.served_model_name or loaded.name
+
+        def record(result) -> None:
+            metrics.record_generation(name, result.stats, result.finish_reason)
+            metrics.record_cache(engine.cache)
+
+        scheduler = Scheduler(engine, settings.max_queue, settings.max_running, on_result=record)
+        return LocalModel(loaded, scheduler, name)
+
+    return load

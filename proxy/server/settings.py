@@ -1,0 +1,36 @@
+"""The server's settings: what ``foretell serve`` was started with (``foretell/cli.py``)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from foretell.proxy.server.upstream import RouteTable
+
+
+@dataclass
+class ServerSettings:
+    model: str | None = None
+    served_model_name: str | None = None
+    api_keys: tuple[str, ...] = ()
+    max_queue: int = 16
+    max_body_bytes: int = 4 * 1024 * 1024
+    max_prediction_chars: int = 1024 * 1024
+    default_max_tokens: int = 512
+    calibrate: bool = True
+    recalibrate: bool = False  # measure again even when a cached calibration exists
+    # The engine's batching: KV cache capacity in tokens, prompt tokens prefilled per step,
+    # sequences in flight at once.
+    kv_cache_tokens: int = 65536
+    prefill_chunk: int = 256
+    max_running: int = 16
+    routes: RouteTable = field(default_factory=RouteTable)
+    # The address served; the Host header must name it (or loopback, or an allowed host).
+    host: str = "127.0.0.1"
+    allowed_hosts: tuple[str, ...] = ()  # further Host header values; "*" allows any
+    metrics_public: bool = False  # /metrics without the API key
+    # The local model's precision (proxy/engine/precision.py): --dtype, --quantize, --fp32-head.
+    dtype: str = "auto"
+    quantize: str = "none"
+    fp32_head: bool | None = None  # None: precision.default_fp32_head
+    # Triton or the torch references for attention and verification (engine/kernel_choice.py).
+    kernels: str | None = None  # None: FORETELL_KERNELS, else auto
