@@ -1,5 +1,5 @@
-"""OpenAI's legacy ``echo`` with prompt log-probabilities on ``/v1/completions``, vLLM's
-``return_tokens_as_token_ids``, and vLLM's ``POST /tokenize`` / ``POST /detokenize``.
+"""OpenAI's legacy ``echo`` with prompt log-probabilities on ``/v1/completions``, and vLLM's
+``return_tokens_as_token_ids``.
 
 With ``echo: true`` the choice's text is the prompt followed by the completion; with
 ``logprobs: N`` as well, the legacy logprobs object covers the prompt's tokens first (the first
@@ -17,8 +17,8 @@ This is what evaluation tools (lm-evaluation-harness' loglikelihood) need, and w
 second ``foretell serve`` a faithful upstream for remote verification (``remote_verify.py``).
 
 The server calls ``run`` for a local completion that asks for echo or token ids (the rest takes
-the ordinary path, ``local_generation.py``); ``/tokenize`` and ``/detokenize`` are
-``routes/tokens.py``.
+the ordinary path, ``local_generation.py``). vLLM's ``/tokenize`` and ``/detokenize``, which
+tokenise as this path does, are ``routes/tokens.py``.
 """
 
 from __future__ import annotations
