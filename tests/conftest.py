@@ -54,3 +54,26 @@ def tiny_model_folder(tmp_path_factory, tiny_model, tokenizer):
     tiny_model.save_pretrained(folder)
     tokenizer.save_pretrained(folder)
     return folder
+
+
+@pytest.fixture(scope="session")
+def stub_upstream():
+    """A stub OpenAI-compatible upstream on 127.0.0.1 (tests/proxy/server/upstream_stub.py)."""
+    from tests.proxy.server.upstream_stub import StubServer
+
+    with StubServer() as stub:
+        yield stub
+
+
+@pytest.fixture(scope="session")
+def tiny_server(tmp_path_factory, tiny_model_folder, stub_upstream):
+    """The server ``foretell serve --model TINY --served-model-name tiny --config ...`` builds, in
+    this process on a real port (tests/serving.py): the tiny model as "tiny" (float32, no
+    calibration, no API key) and "up-ok" forwarded to ``stub_upstream``. Shared by every test
+    that needs no settings of its own; ``.base`` is its address."""
+    from tests.serving import route_table, serve, tiny_app
+
+    routes = route_table(f'[upstreams.stub]\nbase_url = "{stub_upstream.base_url}"\nmax_retries = 0\n\n'
+                         '[models.up-ok]\nupstream = "stub"\n', tmp_path_factory.mktemp("tiny-server"))
+    with serve(tiny_app(tiny_model_folder, routes=routes), "tiny-server") as served:
+        yield served

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import re
 import socket
 import threading
@@ -279,16 +280,23 @@ def _echo_answer(model: str, prompt: str) -> dict:
 class StubServer:
     def __init__(self, log_level: str = "error"):
         self.app, self.received = build_stub()
-        self.port = free_port()
-        self.server = uvicorn.Server(uvicorn.Config(self.app, host="127.0.0.1", port=self.port,
-                                                    log_level=log_level))
-        self.thread = threading.Thread(target=self.server.run, daemon=True)
+        self.sock = socket.socket()
+        self.sock.bind(("127.0.0.1", 0))  # held from here: no other server can take the port
+        self.port = self.sock.getsockname()[1]
+        # No log_config: uvicorn's dictConfig would set its loggers' levels for every server in
+        # the process (the tests' in-process foretell servers too). Its records come from the
+        # "stub-upstream" thread, which tests/serving.py's LogRecords leaves out of a server's log.
+        self.server = uvicorn.Server(uvicorn.Config(self.app, log_config=None, timeout_graceful_shutdown=1))
+        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]},
+                                       name="stub-upstream", daemon=True)
+        self.quiet = _QuietBelow(logging.getLevelName(log_level.upper()), self.thread.name)
 
     @property
     def base_url(self) -> str:
         return f"http://127.0.0.1:{self.port}/v1"
 
     def __enter__(self):
+        logging.getLogger("uvicorn.error").addFilter(self.quiet)
         self.thread.start()
         deadline = time.time() + 20
         while not self.server.started:
@@ -300,3 +308,16 @@ class StubServer:
     def __exit__(self, *exc):
         self.server.should_exit = True
         self.thread.join(timeout=10)
+        self.sock.close()
+        logging.getLogger("uvicorn.error").removeFilter(self.quiet)
+
+
+class _QuietBelow(logging.Filter):
+    """Drops the stub's own uvicorn records below ``level`` ("die-stream" fails on purpose)."""
+
+    def __init__(self, level: int, thread_name: str):
+        super().__init__()
+        self.level, self.thread_name = level, thread_name
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return record.threadName != self.thread_name or record.levelno >= self.level

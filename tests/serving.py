@@ -1,0 +1,122 @@
+"""Servers inside the test process: an ASGI app under uvicorn on a thread, listening on a real
+socket on 127.0.0.1, so tests (and the commands they run) reach it over real HTTP without paying
+for a ``foretell serve`` process (torch, transformers and a model load each time).
+
+``tiny_app(folder, ...)`` is ``foretell serve --model FOLDER --no-calibrate`` in float32 (the
+suite's exactness oracle, as tests/conftest.py sets for commands) with ``ServerSettings`` fields
+for the options; ``route_table(toml)`` is ``--config``. ``foretell serve`` as a process, for what
+only a process shows (its stderr, its memory, its signals), is tests/e2e/live_server.py."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import socket
+import threading
+import time
+
+import httpx
+import uvicorn
+
+
+class ServedApp:
+    """``app`` on 127.0.0.1 at a port of its own, on a daemon thread; a context manager."""
+
+    def __init__(self, app, name: str = "app"):
+        self.app = app
+        self.sock = socket.socket()
+        self.sock.bind(("127.0.0.1", 0))
+        self.port = self.sock.getsockname()[1]
+        self.base = f"http://127.0.0.1:{self.port}"
+        # No log_config: uvicorn leaves the logging setup alone (pytest's capture included).
+        self.server = uvicorn.Server(uvicorn.Config(app, log_config=None, access_log=False, lifespan="on",
+                                                    timeout_graceful_shutdown=5))
+        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]},
+                                       name=f"uvicorn-{name}", daemon=True)
+
+    def __enter__(self) -> ServedApp:
+        self.thread.start()
+        deadline = time.monotonic() + 30
+        while not self.server.started:
+            if not self.thread.is_alive() or time.monotonic() > deadline:
+                raise RuntimeError("the in-process server did not start")
+            time.sleep(0.01)
+        return self
+
+    def wait_healthy(self, timeout: float = 120.0, while_loading=None) -> ServedApp:
+        """Wait for /health 200; ``while_loading(self)`` runs once if a 503 is seen first."""
+        deadline = time.monotonic() + timeout
+        called = False
+        while True:
+            status = httpx.get(self.base + "/health", timeout=10).status_code
+            if status == 200:
+                return self
+            if status == 503 and while_loading is not None and not called:
+                called = True
+                while_loading(self)
+            if time.monotonic() > deadline:
+                raise RuntimeError("the in-process server never became healthy: "
+                                   + httpx.get(self.base + "/health", timeout=10).text)
+            time.sleep(0.05)
+
+    def __exit__(self, *exc) -> None:
+        self.server.should_exit = True
+        self.thread.join(timeout=30)
+        self.sock.close()
+
+
+def tiny_app(folder, *, served_model_name: str = "tiny", **settings):
+    """The app ``foretell serve --model FOLDER --no-calibrate`` builds, in float32."""
+    from foretell.proxy.server.app import ServerSettings, create_app
+
+    settings.setdefault("dtype", "float32")
+    settings.setdefault("calibrate", False)
+    return create_app(ServerSettings(model=str(folder), served_model_name=served_model_name, **settings))
+
+
+def route_table(toml_text: str, folder):
+    """The routes ``--config`` would load from a file holding ``toml_text``."""
+    from foretell.proxy.server.upstream import load_routes
+
+    path = folder / "foretell.toml"
+    path.write_text(toml_text)
+    return load_routes(str(path))
+
+
+@contextlib.contextmanager
+def serve(app, name: str = "app", *, healthy: bool = True):
+    """``app`` served on a thread for the ``with`` block (healthy first unless told otherwise)."""
+    with ServedApp(app, name) as served:
+        if healthy:
+            served.wait_healthy()
+        yield served
+
+
+class LogRecords(logging.Handler):
+    """The log of an in-process server, as ``foretell serve`` would write it: every record that
+    reaches the root logger while capturing (foretell's at INFO and up, as the command logs),
+    but those of the stub upstream's threads (tests/proxy/server/upstream_stub.py), which share
+    uvicorn's logger names."""
+
+    def __init__(self):
+        super().__init__(logging.DEBUG)
+        self.records: list[logging.LogRecord] = []
+        self.setFormatter(logging.Formatter("%(levelname)s %(name)s: %(message)s"))
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if not record.threadName.startswith("stub-"):
+            self.records.append(record)
+
+    def text(self) -> str:
+        return "\n".join(self.format(r) for r in list(self.records))
+
+    def __enter__(self) -> LogRecords:
+        self.foretell = logging.getLogger("foretell")
+        self.previous = self.foretell.level
+        self.foretell.setLevel(logging.INFO)
+        logging.getLogger().addHandler(self)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        logging.getLogger().removeHandler(self)
+        self.foretell.setLevel(self.previous)
