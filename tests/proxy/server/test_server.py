@@ -1,12 +1,10 @@
-"""The proxy over real HTTP: ``foretell serve`` as a subprocess on 127.0.0.1 (the tiny model),
-the official ``openai`` package as the client, and a real stub upstream for forwarding."""
+"""The proxy over real HTTP: the server ``foretell serve`` builds, in process on 127.0.0.1 (the
+tiny model; tests/serving.py), the official ``openai`` package as the client, and a real stub
+upstream for forwarding."""
 
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 import threading
 import time
 
@@ -16,6 +14,7 @@ import pytest
 
 from foretell.proxy.engine import GenerationRequest, SpeculativeEngine
 from tests.proxy.server.upstream_stub import StubServer, free_port
+from tests.serving import route_table, serve, tiny_app
 
 API_KEY = "sk-test-key"
 UPSTREAM_KEY = "upstream-secret-key"
@@ -31,8 +30,12 @@ def upstream():
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory, tiny_model_folder, upstream):
-    config = tmp_path_factory.mktemp("config") / "foretell.toml"
-    config.write_text(f"""
+    """``foretell serve --api-key --config ... --max-queue 1 --max-running 1 --max-body-bytes
+    200000 --max-prediction-chars 5000`` in process; the model's load is held until the test has
+    seen /health answer 503 and asked for a model name meanwhile."""
+    from foretell.proxy.engine import model_loader
+
+    routes = route_table(f"""
 [upstreams.stub]
 base_url = "{upstream.base_url}"
 api_key_env = "STUB_KEY"
@@ -67,41 +70,37 @@ upstream = "slow"
 [models.tiny-with-fallback]
 local = true
 fallback = "stub"
-""")
-    port = free_port()
-    env = dict(os.environ, STUB_KEY=UPSTREAM_KEY, HF_HUB_OFFLINE="1")
-    process = subprocess.Popen(
-        [sys.executable, "-m", "foretell.cli", "serve", "--model", str(tiny_model_folder),
-         "--served-model-name", MODEL, "--port", str(port), "--api-key", API_KEY, "--config", str(config),
-         "--no-calibrate", "--max-queue", "1", "--max-running", "1", "--max-body-bytes", "200000",
-         "--max-prediction-chars", "5000", "--log-level", "warning"],  # the pipe is read only on failure
-        env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    base = f"http://127.0.0.1:{port}"
-    saw_loading, loading_answer = False, None
-    deadline = time.time() + 180
-    while True:
-        if process.poll() is not None:
-            raise RuntimeError("foretell serve exited:\n" + process.stdout.read())
-        try:
-            status = httpx.get(base + "/health", timeout=2).status_code
-            if status == 200:
-                break
-            saw_loading |= status == 503
-            if status == 503 and loading_answer is None:  # meanwhile, a model name not configured
-                answer = httpx.post(base + "/v1/completions", json={"model": "maybe-local", "prompt": "x",
-                                                                    "max_tokens": 1},
-                                    headers={"authorization": f"Bearer {API_KEY}"}, timeout=10)
-                loading_answer = (answer.status_code, (answer.json().get("error") or {}).get("code"),
-                                  answer.headers.get("retry-after"))
-        except httpx.TransportError:
-            pass
-        if time.time() > deadline:
-            process.kill()
-            raise RuntimeError("foretell serve did not become healthy")
-        time.sleep(0.1)
-    yield {"base": base, "saw_loading": saw_loading, "loading_answer": loading_answer}
-    process.terminate()
-    process.wait(timeout=20)
+""", tmp_path_factory.mktemp("config"))
+    loading = {"saw": False, "answer": None}
+    released = threading.Event()
+    load_model = model_loader.load_model
+
+    def held_load(*args, **kwargs):
+        released.wait(60)
+        return load_model(*args, **kwargs)
+
+    def while_loading(served):
+        # Meanwhile, a model name not configured: the local name is known only once loaded.
+        loading["saw"] = True
+        answer = httpx.post(served.base + "/v1/completions", json={"model": "maybe-local", "prompt": "x",
+                                                                   "max_tokens": 1},
+                            headers={"authorization": f"Bearer {API_KEY}"}, timeout=10)
+        loading["answer"] = (answer.status_code, (answer.json().get("error") or {}).get("code"),
+                             answer.headers.get("retry-after"))
+        released.set()
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("STUB_KEY", UPSTREAM_KEY)
+        patch.setattr(model_loader, "load_model", held_load)
+        app = tiny_app(tiny_model_folder, served_model_name=MODEL, api_keys=(API_KEY,), routes=routes,
+                       max_queue=1, max_running=1, max_body_bytes=200000, max_prediction_chars=5000)
+        with serve(app, "test-server", healthy=False) as served:
+            try:
+                served.wait_healthy(while_loading=while_loading)
+            finally:
+                released.set()
+            patch.setattr(model_loader, "load_model", load_model)
+            yield {"base": served.base, "saw_loading": loading["saw"], "loading_answer": loading["answer"]}
 
 
 @pytest.fixture
@@ -421,7 +420,12 @@ def test_full_queue_answers_429_with_retry_after(server):
         next(line for line in lines if line.startswith("data:"))  # this one holds the engine
         with httpx.stream("POST", server["base"] + "/v1/completions", json=body, headers=headers,
                           timeout=60):  # waits in the queue (size 1)
-            time.sleep(0.3)
+            # Until it is queued (a fixed sleep lost this race on a busy machine: the next
+            # request took the free slot and waited behind a 3000-token stream).
+            deadline = time.time() + 30
+            while _metric(server, "foretell_num_requests_waiting") < 1:
+                assert time.time() < deadline, "the second stream never reached the queue"
+                time.sleep(0.02)
             refused = raw(server, "/v1/completions", {"model": MODEL, "prompt": "x", "max_tokens": 2})
             # A route with a fallback upstream is forwarded instead of refused.
             diverted = raw(server, "/v1/completions",
