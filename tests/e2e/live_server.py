@@ -1,5 +1,6 @@
-"""``foretell serve`` as a subprocess on 127.0.0.1 for tests that need a real server: its output
-goes to a log file the test can read, and its process id lets a test watch its memory."""
+"""``foretell serve`` as a subprocess on 127.0.0.1, the one spawn-and-poll helper, for tests that
+need the real process: its output goes to a log file the test can read, and its process id lets
+a test watch its memory. (A server in the test process is tests/serving.py.)"""
 
 from __future__ import annotations
 
@@ -35,19 +36,24 @@ class LiveServer:
 
 
 @contextlib.contextmanager
-def live_server(model_folder, log_path: Path, *args: str, env: dict | None = None):
+def live_server(model_folder, log_path: Path, *args: str, env: dict | None = None, unset=(),
+                timeout: float = 180):
+    """``foretell serve --model MODEL_FOLDER --no-calibrate ARGS`` (the embedded model when
+    ``model_folder`` is None) on a free port, healthy; ``unset``: environment variables removed."""
     port = free_port()
     environment = dict(os.environ, HF_HUB_OFFLINE="1", **(env or {}))
-    for name in ("FORETELL_API_KEY", "FORETELL_ALLOWED_HOSTS", "FORETELL_METRICS_PUBLIC"):
+    for name in ("FORETELL_API_KEY", "FORETELL_ALLOWED_HOSTS", "FORETELL_METRICS_PUBLIC", "FORETELL_CONFIG",
+                 "FORETELL_UPSTREAM_BASE_URL", *unset):
         if name not in (env or {}):
             environment.pop(name, None)
+    model = [] if model_folder is None else ["--model", str(model_folder)]
     with open(log_path, "w") as log:
         process = subprocess.Popen(
-            [sys.executable, "-m", "foretell.cli", "serve", "--model", str(model_folder), "--port", str(port),
-             "--no-calibrate", *args], env=environment, stdout=log, stderr=subprocess.STDOUT)
+            [sys.executable, "-m", "foretell.cli", "serve", *model, "--port", str(port), "--no-calibrate", *args],
+            env=environment, stdout=log, stderr=subprocess.STDOUT)
     server = LiveServer(f"http://127.0.0.1:{port}", port, process, log_path)
     try:
-        deadline = time.time() + 180
+        deadline = time.time() + timeout
         while True:
             if process.poll() is not None:
                 raise RuntimeError("foretell serve exited:\n" + server.log())

@@ -6,6 +6,7 @@ Add a row whenever a new kind of bad input turns up."""
 
 from __future__ import annotations
 
+import base64
 import json
 import threading
 import time
@@ -13,11 +14,12 @@ import time
 import httpx
 import pytest
 
-from tests.e2e.live_server import live_server
+from tests.e2e.conftest import KEY
+from tests.e2e.conftest import LIMIT as SERVE_LIMIT
 
-API_KEY = "sk-probe"
+API_KEY = KEY
 MODEL = "tiny"
-LIMIT = 200_000
+LIMIT = SERVE_LIMIT  # --max-body-bytes; --max-prediction-chars is 5000
 C, CHAT = "/v1/completions", "/v1/chat/completions"
 OK = 200
 
@@ -60,7 +62,8 @@ PROBES = [
     ("foreign host", C, completion(), 421, {"host": "attacker.example"}),
     ("no key", C, completion(), 401, {"authorization": None}),
     ("wrong key", C, completion(), 401, {"authorization": "Bearer nope"}),
-    ("basic auth", C, completion(), 401, {"authorization": "Basic c2stcHJvYmU6"}),
+    ("basic auth", C, completion(), 401,
+     {"authorization": "Basic " + base64.b64encode(f"{API_KEY}:".encode()).decode()}),
     ("unknown path", "/v1/engines", completion(), 404, {}),
     # ---- model and prompt
     ("no model", C, {"prompt": "x"}, 400, {}),
@@ -180,11 +183,10 @@ PROBES = [
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory, tiny_model_folder):
-    folder = tmp_path_factory.mktemp("probe")
-    with live_server(tiny_model_folder, folder / "server.log", "--served-model-name", MODEL, "--api-key", API_KEY,
-                     "--max-body-bytes", str(LIMIT), "--max-prediction-chars", "5000") as live:
-        yield live
+def server(serve_process):
+    """``foretell serve`` on the tiny model as a process (tests/e2e/conftest.py): ``/health`` is
+    timed with nothing else in the server's process competing for its event loop."""
+    return serve_process
 
 
 def send(client: httpx.Client, path: str, body, headers: dict) -> httpx.Response:
