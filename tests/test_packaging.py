@@ -1,9 +1,14 @@
-"""The bare install is the SDK alone: it must import without torch."""
+"""Packaging: the bare install is the SDK alone (it must import without torch), and a wheel built
+from the sources (once) carries what it must."""
 
 import pkgutil
+import shutil
 import subprocess
 import sys
+import zipfile
 from pathlib import Path
+
+import pytest
 
 SDK_MODULES = sorted("foretell.sdk." + m.name for m in pkgutil.iter_modules(
     [str(Path(__file__).resolve().parents[1] / "sdk")]))
@@ -49,30 +54,40 @@ def test_kernels_import_without_triton():
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def test_a_wheel_carries_the_license_and_the_py_typed_markers(tmp_path):
-    # Built from a copy, so that setuptools' build/ and egg-info never land in the checkout;
-    # without build isolation, so that no index is needed.
-    import shutil
-    import zipfile
-
-    source = tmp_path / "src"
+@pytest.fixture(scope="module")
+def wheel(tmp_path_factory) -> zipfile.ZipFile:
+    """A wheel built once from a copy of the sources, so that setuptools' build/ and egg-info
+    never land in the checkout; without build isolation, so that no index is needed."""
+    folder = tmp_path_factory.mktemp("wheel")
+    source = folder / "src"
     source.mkdir()
     for name in ("pyproject.toml", "README.md", "LICENSE"):
         shutil.copy(ROOT / name, source / name)
-    for folder in ("foretell", "sdk", "proxy", "kernels"):
-        shutil.copytree(ROOT / folder, source / folder, ignore=shutil.ignore_patterns("__pycache__"))
+    for package in ("foretell", "sdk", "proxy", "kernels"):
+        shutil.copytree(ROOT / package, source / package, ignore=shutil.ignore_patterns("__pycache__"))
     result = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation",
-                             "-q", str(source), "-w", str(tmp_path / "dist")],
+                             "-q", str(source), "-w", str(folder / "dist")],
                             capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr
-    (wheel,) = (tmp_path / "dist").glob("foretell-*.whl")
-    names = set(zipfile.ZipFile(wheel).namelist())
+    (built,) = (folder / "dist").glob("foretell-*.whl")
+    with zipfile.ZipFile(built) as archive:
+        yield archive
+
+
+def test_a_wheel_carries_the_license_and_the_py_typed_markers(wheel):
+    names = set(wheel.namelist())
     assert {"foretell/py.typed", "foretell/sdk/py.typed", "foretell/__main__.py"} <= names
     license_files = [n for n in names if n.endswith("/LICENSE") and ".dist-info/" in n]
     assert license_files, sorted(names)
-    text = zipfile.ZipFile(wheel).read(license_files[0]).decode()
+    text = wheel.read(license_files[0]).decode()
     assert "Apache License" in text and "Version 2.0, January 2004" in text
     assert "END OF TERMS AND CONDITIONS" in text
+
+
+def test_a_wheel_carries_the_playground_page(wheel):
+    """The page is package data: the wheel holds its three files."""
+    assert {f"foretell/proxy/server/static/{name}"
+            for name in ("playground.html", "playground.css", "playground.js")} <= set(wheel.namelist())
 
 
 def test_the_license_file_is_the_apache_2_0_text_pyproject_names():

@@ -1,5 +1,6 @@
 """The playground at ``/``, in a real browser: Debian's Chromium driven by Playwright, against
-``foretell serve`` on the tiny model. Also the ``report_origins`` stream extension over HTTP.
+``foretell serve`` on the tiny model (and, for the key prompt, a keyed server in process).
+The ``report_origins`` stream extension the page draws is tests/proxy/server/test_report_origins.py.
 
 The browser is the system's (``/usr/bin/chromium``, or ``FORETELL_CHROMIUM``); ``scripts/test.sh``
 installs Debian's ``chromium`` package when it is missing. Without it these tests fail with a
@@ -16,6 +17,7 @@ import pytest
 
 from foretell.sdk.edit import build_edit_prompt, extract_edited_text
 from tests.e2e.live_server import live_server
+from tests.serving import serve, tiny_app
 from tests.proxy.server.upstream_stub import StubServer
 
 CHROMIUM = os.environ.get("FORETELL_CHROMIUM", "/usr/bin/chromium")
@@ -43,9 +45,9 @@ def served(tmp_path_factory, tiny_model_folder):
 
 
 @pytest.fixture(scope="module")
-def keyed(tmp_path_factory, tiny_model_folder):
-    log = tmp_path_factory.mktemp("playground-key") / "serve.log"
-    with live_server(tiny_model_folder, log, "--served-model-name", "tiny", "--api-key", KEY) as server:
+def keyed(tiny_model_folder):
+    """A server that asks for a key (``--api-key``), in this process: the page's key handling."""
+    with serve(tiny_app(tiny_model_folder, api_keys=(KEY,)), "playground-keyed") as server:
         yield server
 
 
@@ -113,30 +115,6 @@ def answer_spans(page) -> list[tuple[str, str]]:
 
 
 # ---- the page --------------------------------------------------------------------------------
-
-def test_a_wheel_carries_the_page(tmp_path):
-    """The page is package data: a wheel built from the sources holds its three files."""
-    import shutil
-    import subprocess
-    import sys
-    import zipfile
-
-    root = Path(__file__).resolve().parents[2]
-    source = tmp_path / "src"
-    source.mkdir()
-    for name in ("pyproject.toml", "README.md", "LICENSE"):
-        shutil.copy(root / name, source / name)
-    for folder in ("foretell", "sdk", "proxy", "kernels"):
-        shutil.copytree(root / folder, source / folder, ignore=shutil.ignore_patterns("__pycache__"))
-    result = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation",
-                             "-q", str(source), "-w", str(tmp_path / "dist")],
-                            capture_output=True, text=True, timeout=300)
-    assert result.returncode == 0, result.stderr
-    (wheel,) = (tmp_path / "dist").glob("foretell-*.whl")
-    names = set(zipfile.ZipFile(wheel).namelist())
-    assert {f"foretell/proxy/server/static/{name}"
-            for name in ("playground.html", "playground.css", "playground.js")} <= names
-
 
 def test_the_page_is_served_with_a_strict_policy(served):
     response = httpx.get(served.base + "/")
@@ -303,51 +281,3 @@ def test_screenshot(page, greedy, tmp_path):
     data = path.read_bytes()
     assert data.startswith(b"\x89PNG\r\n\x1a\n") and len(data) > 20_000
     print(f"playground screenshot: {path}")
-
-
-# ---- the report_origins extension over HTTP ----------------------------------------------------
-
-def events(base: str, path: str, body: dict) -> list[dict]:
-    with httpx.stream("POST", base + path, json=body, timeout=120) as response:
-        assert response.status_code == 200
-        data = [line[6:] for line in response.iter_lines() if line.startswith("data: ")]
-    assert data[-1] == "[DONE]"
-    return [json.loads(item) for item in data[:-1]]
-
-
-@pytest.mark.parametrize("path, request_body, text_of", [
-    ("/v1/completions", {"prompt": PROMPT}, lambda c: c["choices"][0]["text"] if c["choices"] else ""),
-    ("/v1/chat/completions", {"messages": [{"role": "user", "content": PROMPT}]},
-     lambda c: (c["choices"][0]["delta"].get("content") or "") if c["choices"] else ""),
-])
-def test_report_origins_adds_spans_that_rebuild_each_chunk(served, greedy, path, request_body, text_of):
-    body = {"model": "tiny", "max_tokens": TOKENS, "stream": True, **request_body,
-            "prediction": {"type": "content", "content": greedy}}
-    plain = events(served.base, path, body)
-    assert all("foretell" not in chunk for chunk in plain)  # plain OpenAI clients: unchanged chunks
-    reported = events(served.base, path, {**body, "speculation": {"report_origins": True}})
-    assert "".join(map(text_of, reported)) == "".join(map(text_of, plain))
-    seen = set()
-    for chunk in reported:
-        text = text_of(chunk)
-        if not text:
-            assert "foretell" not in chunk
-            continue
-        report = chunk["foretell"]
-        assert "".join(span["text"] for span in report["origins"]) == text
-        assert report["tokens"] >= 1 and report["passes"] >= 1
-        seen |= {span["origin"] for span in report["origins"]}
-    if path == "/v1/completions":  # the prediction is the completion's own greedy text
-        assert seen == {"prediction", None}
-    # The same chunks otherwise (where they split depends on the draft lengths chosen, which
-    # follow the measured pass cost): only the extension field is added.
-    shapes = {(frozenset(c) - {"foretell"}, frozenset(c["choices"][0]) if c["choices"] else None)
-              for c in reported}
-    assert shapes == {(frozenset(c), frozenset(c["choices"][0]) if c["choices"] else None) for c in plain}
-
-
-def test_report_origins_must_be_a_boolean(served):
-    response = httpx.post(served.base + "/v1/completions", json={
-        "model": "tiny", "prompt": "x", "speculation": {"report_origins": "yes"}})
-    assert response.status_code == 400
-    assert response.json()["error"]["param"] == "speculation.report_origins"

@@ -1,6 +1,6 @@
 """A stream and the final answer are the same text, piece by piece.
 
-Over real HTTP (``foretell serve`` on the tiny model, both endpoints, greedy): the streamed pieces
+Over real HTTP (the tiny model's server in process, both endpoints, greedy): the streamed pieces
 joined equal the non-streamed text of the same request, with and without a prediction (a
 unicode-heavy one, and the answer itself) and with and without a stop string that spans tokens;
 no streamed piece is ever contradicted later (every partial join is a prefix of the final text).
@@ -21,7 +21,6 @@ import torch
 
 from foretell.proxy.engine import GenerationRequest, SpeculativeEngine
 from tests.helpers import stop_string_cut
-from tests.e2e.live_server import live_server
 
 REPLACEMENT = "\ufffd"
 MODEL = "tiny"
@@ -36,12 +35,10 @@ UNICODE_PREDICTION = "𝔘𝔫𝔦𝔠𝔬𝔡𝔢 🇫🇷🇯🇵 👩\u200d�
 # ---- over HTTP -------------------------------------------------------------------------------
 
 @pytest.fixture(scope="module")
-def server(tiny_model_folder, tmp_path_factory):
-    log = tmp_path_factory.mktemp("stream-equals-final") / "serve.log"
-    with live_server(tiny_model_folder, log, "--served-model-name", MODEL, "--max-queue", "16",
-                     "--max-running", "12", "--kv-cache-tokens", "16384", "--log-level", "warning") as live:
-        with httpx.Client(base_url=live.base + "/v1", timeout=120) as client:
-            yield client
+def server(tiny_server):
+    """A client of the shared in-process server on the tiny model (tests/conftest.py)."""
+    with httpx.Client(base_url=tiny_server.base + "/v1", timeout=120) as client:
+        yield client
 
 
 def body_for(endpoint: str, prompt: str, **fields) -> dict:
