@@ -158,8 +158,12 @@ class AcceptanceEstimate:
         matched = 0
         while matched < compared and proposal[matched] == produced[matched]:
             matched += 1
-        self.accepted = self.accepted * self.decay + matched
-        self.rejected = self.rejected * self.decay + (1 if matched < compared else 0)
+        self.credit(matched, matched < compared)
+
+    def credit(self, accepted: float, missed: bool) -> None:
+        """Count ``accepted`` tokens the source foresaw and, if it then missed, one miss."""
+        self.accepted = self.accepted * self.decay + accepted
+        self.rejected = self.rejected * self.decay + (1 if missed else 0)
 
 
 def expected_tokens(acceptance: float, draft_length: int) -> float:
@@ -209,24 +213,42 @@ def expected_yield(acceptance: float, run: float | None, length: int) -> float:
 
 @dataclass(frozen=True)
 class DraftOption:
-    """What one source offers one sequence this step."""
+    """What one source offers one request this round."""
 
     source: str
     acceptance: float
     run: float | None
     available: int  # tokens it can propose
+    calibration: float = 1.0  # realised over expected yield of its weighed drafts so far
+
+    def expected(self, length: int) -> float:
+        """Mean tokens of a round drafting ``length`` of its tokens (1: plain decoding)."""
+        return 1.0 if length == 0 else self.calibration * expected_yield(self.acceptance, self.run, length)
 
 
 def choose_step_drafts(options: list[list[DraftOption]], fixed_positions: int, cost: PassCostModel,
                        extra_costs: list[PassCostModel | None] | None = None,
-                       max_positions: int | None = None, sweeps: int = 3) -> list[tuple[str | None, int]]:
-    """Choose every verifying sequence's source and draft length for one pass.
+                       max_positions: int | None = None) -> list[tuple[str | None, int]]:
+    """Every verifying sequence's source and draft length for one batched pass.
 
-    ``options[i]``: the sources sequence i may draft from; ``fixed_positions``: positions the
-    pass holds anyway (each sequence's pending token, prefill chunks); ``extra_costs[i]``: a
-    per-sequence cost on top of the pass (the sampling verify), or None. Maximises expected
-    tokens of the step per unit of its cost by coordinate ascent from "no drafts", so the
-    result is never worse than plain decoding of the same batch by the model's own estimate.
+    ``fixed_positions``: positions the pass holds anyway (each sequence's pending token,
+    prefill chunks); the step costs one pass over them and every drafted position.
+    """
+    return choose_drafts(options, lambda drafted: cost.at(fixed_positions + drafted), extra_costs,
+                         None if max_positions is None else max_positions - fixed_positions)
+
+
+def choose_drafts(options: list[list[DraftOption]], step_cost, extra_costs: list[PassCostModel | None] | None = None,
+                  max_drafted: int | None = None, sweeps: int = 3) -> list[tuple[str | None, int]]:
+    """Choose every request's source and draft length for one verification step: the one
+    policy of every verifier, each with its own cost.
+
+    ``options[i]``: the sources request i may draft from; ``step_cost(drafted)``: what the step
+    costs with ``drafted`` draft positions in all (the engine: one batched pass; an upstream:
+    an echo request, or a plain token for none); ``extra_costs[i]``: a per-request cost on top
+    (the sampling verify), or None. Maximises the step's expected tokens per unit of cost by
+    coordinate ascent from "no drafts", so the result is never worse than plain decoding of the
+    same requests by the verifier's own estimate.
     """
     count = len(options)
     extra_costs = extra_costs or [None] * count
@@ -235,8 +257,8 @@ def choose_step_drafts(options: list[list[DraftOption]], fixed_positions: int, c
     def extra(i: int, length: int) -> float:
         return extra_costs[i].cost(length) if extra_costs[i] is not None else 0.0
 
-    def yield_of(i: int, option: DraftOption | None, length: int) -> float:
-        return 1.0 if option is None or length == 0 else expected_yield(option.acceptance, option.run, length)
+    def yield_of(option: DraftOption | None, length: int) -> float:
+        return 1.0 if option is None else option.expected(length)
 
     tokens = float(count)
     drafted = 0
@@ -245,23 +267,23 @@ def choose_step_drafts(options: list[list[DraftOption]], fixed_positions: int, c
         changed = False
         for i in range(count):
             option, length = chosen[i]
-            base_tokens = tokens - yield_of(i, option, length)
+            base_tokens = tokens - yield_of(option, length)
             base_drafted = drafted - length
             base_extras = extras - extra(i, length)
             best = (option, length)
-            best_rate = tokens / (cost.at(fixed_positions + drafted) + extras)
+            best_rate = tokens / (step_cost(drafted) + extras)
             for candidate in options[i]:
                 for n in candidate_lengths(candidate.available):
-                    if max_positions is not None and fixed_positions + base_drafted + n > max_positions:
+                    if max_drafted is not None and base_drafted + n > max_drafted:
                         break
-                    rate = ((base_tokens + yield_of(i, candidate, n))
-                            / (cost.at(fixed_positions + base_drafted + n) + base_extras + extra(i, n)))
+                    rate = ((base_tokens + yield_of(candidate, n))
+                            / (step_cost(base_drafted + n) + base_extras + extra(i, n)))
                     if rate > best_rate * (1 + 1e-9):
                         best, best_rate = (candidate, n), rate
             if best != chosen[i]:
                 changed = True
                 chosen[i] = best
-                tokens = base_tokens + yield_of(i, *best)
+                tokens = base_tokens + yield_of(*best)
                 drafted = base_drafted + best[1]
                 extras = base_extras + extra(i, best[1])
         if not changed:

@@ -13,6 +13,7 @@ and cheap to ask.
 from __future__ import annotations
 
 import bisect
+import re
 from collections import defaultdict
 from collections.abc import Sequence
 
@@ -53,6 +54,12 @@ class PredictionSource:
         self.observed_chars = 0
         # Characters the output has agreed with the prediction since the last (re-)anchoring.
         self.run_chars = self.INITIAL_RUN_CHARS
+
+    @property
+    def scores_on_text(self) -> bool:
+        """Are its proposals in other terms than the output's keys (text pieces standing in for
+        an unknown tokenizer)? Then it is scored by whether it followed the text."""
+        return isinstance(self.tokenizer, TextPieces)
 
     def agreement_run(self) -> float:
         """Tokens (roughly) the output has followed the prediction since the last anchoring.
@@ -127,6 +134,7 @@ class PromptLookupSource:
     """
 
     name = "prompt_lookup"
+    scores_on_text = False
 
     def __init__(self, prompt_ids: list[int], min_ngram: int = 2, max_ngram: int = 16,
                  max_candidates: int = 64):
@@ -182,6 +190,21 @@ class PromptLookupSource:
 
     def observe(self, output_ids: list[int], output_text: str) -> None:
         self._extend(output_ids[len(self.tokens) - self.prompt_length :])
+
+
+class TextPieces:
+    """A stand-in tokenizer for ``PredictionSource`` where no real one is known (an upstream's
+    text alignment): words, spaces and punctuation as pieces. Only the cursor (on text) and the
+    prediction's usage figures (then an estimate) use it."""
+
+    PIECE = re.compile(r"\s+|\w+|[^\w\s]")
+
+    def __call__(self, text, add_special_tokens=False, return_offsets_mapping=False):
+        spans = [m.span() for m in self.PIECE.finditer(text)]
+        return {"input_ids": list(range(len(spans))), "offset_mapping": spans}
+
+    def encode(self, text, add_special_tokens=False):
+        return [0] * len(self.PIECE.findall(text))
 
 
 def common_prefix_length(a: Sequence, b: Sequence) -> int:

@@ -8,24 +8,26 @@ exactly what greedy decoding would choose there: the longest prefix of the draft
 accepted, the best token at the first disagreement is the *recovered* token, and the one token
 generated after a fully accepted draft is the *bonus*. One prefill verifies hundreds of tokens.
 
-The loop (``Session``), for a greedy request (explicit ``temperature: 0``) with a prediction or
-with ``speculation.prompt_lookup``, on an upstream whose ``verify_predictions`` is on:
+A request's speculation is the engine's own (``engine/speculation.py``: the draft sources and
+their estimates, the output with its stops and ``max_tokens``, the statistics, the prediction's
+usage) and its drafts are chosen by the engine's policy (``draft_length.choose_drafts``) against
+this upstream's costs; this module holds the remote protocol around it. ``Session`` runs it for
+a greedy request (explicit ``temperature: 0``) with a prediction or with
+``speculation.prompt_lookup``, on an upstream whose ``verify_predictions`` is on:
 
-- **verify**: one echo request over ``prompt + output + draft``; the draft comes from the
-  prediction cursor (``PredictionSource``, which re-anchors after an edit on text) or from
-  prompt lookup (``PromptLookupSource``, only runs of at least ``LOOKUP_MIN_DRAFT`` tokens);
+- **verify**: one echo request over ``prompt + output + draft`` (the prediction first, then
+  prompt lookup, only runs of at least ``LOOKUP_MIN_DRAFT`` tokens); what agreed is accepted
+  with the recovered or bonus token (``Speculation.accept``);
 - **plain**: where no draft is available (after an edit's seam), a plain greedy stream continues
-  the output and is closed as soon as the output rejoins the prediction, then verify again;
+  the output (a round with no draft: ``accept(0, tokens)``) and is closed as soon as the output
+  rejoins the prediction, then verify again;
 - **when**: the request's first prediction draft is always verified (the prediction is presumed
   right where the output starts, so one echo request at most is risked); after that a verify is
-  sent only while its expected yield (the source's measured acceptance and current agreement
-  run, as the local engine estimates them) beats plain decoding for the time it costs; both
-  costs are measured per upstream (an echo request's time by its prompt tokens, a plain token's
-  time in plain streams), so a GPU upstream, where prefill is cheap, keeps verifying, and a
-  slow-prefill upstream decodes plainly until a copy has proven itself;
-- text goes to the client as it is confirmed (``IncrementalDetokenizer`` + ``StopStringHold``:
-  stop strings and ``max_tokens`` are applied here exactly as in the local engine, so nothing is
-  streamed past a stop string).
+  sent only while its expected yield beats plain decoding for the time it costs; both costs are
+  measured per upstream (an echo request's time by its prompt tokens, a plain token's time in
+  plain streams), so a GPU upstream, where prefill is cheap, keeps verifying, and a slow-prefill
+  upstream decodes plainly until a copy has proven itself;
+- text goes to the client as it is confirmed, never past a stop string (``Output.release``).
 
 **Token alignment.** *Token ids* (exact): when the route names a local ``tokenizer`` matching the
 upstream's model and the upstream answers vLLM's ``return_tokens_as_token_ids``, every request
@@ -68,20 +70,12 @@ import httpx
 from fastapi import Request
 from fastapi.responses import JSONResponse
 
-from foretell.proxy.engine.detokenizer import IncrementalDetokenizer, StopStringHold
-from foretell.proxy.engine.draft_length import (
-    AcceptanceEstimate,
-    OnlinePassCost,
-    PassCostModel,
-    candidate_lengths,
-    expected_yield,
-)
-from foretell.proxy.engine.draft_sources import PredictionSource, PromptLookupSource
-from foretell.proxy.engine.prediction_usage import prediction_token_usage
-from foretell.proxy.engine.sequence import GenerationStats, SourceStats
+from foretell.proxy.engine.draft_length import DraftOption, OnlinePassCost, PassCostModel, choose_drafts
+from foretell.proxy.engine.draft_sources import PredictionSource, TextPieces
+from foretell.proxy.engine.speculation import Output, Speculation, draft_sources
 from foretell.proxy.server.prompts import chat_prompt, end_of_turn_ids
 from foretell.proxy.server.redact import Redactor
-from foretell.proxy.server.responses import ClientGone, Shape, client_gone, stream_response
+from foretell.proxy.server.responses import ClientGone, Shape, client_gone, engine_usage, stream_response
 from foretell.proxy.server.schema import APIError, ChatCompletionRequest
 
 log = logging.getLogger("foretell.server")
@@ -91,6 +85,9 @@ log = logging.getLogger("foretell.server")
 DEFAULT_MAX_DRAFT = 256
 # Prompt lookup drafts only runs at least this long: each verify re-sends the whole context.
 LOOKUP_MIN_DRAFT = 8
+# The prediction's acceptance starts higher than the engine's prior: it is presumed right where the
+# output starts, and its first verify is sent anyway (one echo request at most is risked).
+PRIOR_ACCEPTED = {"prediction": 9.0}
 # A mismatch this close to the end of the context is the draft merging with it (a token that
 # spans the seam), not a context that re-tokenises differently.
 BOUNDARY_TOKENS = 3
@@ -153,21 +150,6 @@ def load_tokenizer(spec: str):
         named = json.loads(config.read_text()).get("eos_token_id")
         eos |= set(named if isinstance(named, list) else [named])
     return tokenizer, frozenset(e for e in eos if isinstance(e, int))
-
-
-class TextPieces:
-    """A stand-in tokenizer for ``PredictionSource`` when no real one is configured: words,
-    spaces and punctuation as pieces. Only the cursor (on text) and the prediction usage
-    figures (then an estimate) use it."""
-
-    PIECE = re.compile(r"\s+|\w+|[^\w\s]")
-
-    def __call__(self, text, add_special_tokens=False, return_offsets_mapping=False):
-        spans = [m.span() for m in self.PIECE.finditer(text)]
-        return {"input_ids": list(range(len(spans))), "offset_mapping": spans}
-
-    def encode(self, text, add_special_tokens=False):
-        return [0] * len(self.PIECE.findall(text))
 
 
 # ---- the echo answer --------------------------------------------------------------------------
@@ -271,66 +253,6 @@ def _lay_tokens(strings: list[str], text: str) -> list:
             broken = True
             starts.append(None)
     return starts
-
-
-# ---- the output ---------------------------------------------------------------------------------
-
-class Output:
-    """The completion so far: its tokens, its text, where it stops, what may be streamed."""
-
-    def __init__(self, tokenizer, stop: tuple[str, ...], max_tokens: int, eos_ids: frozenset[int]):
-        self.keys: list = []
-        self.detokenizer = IncrementalDetokenizer(tokenizer) if tokenizer is not None else None
-        self._raw = ""
-        self.hold = StopStringHold(stop)
-        self.max_tokens = max_tokens
-        self.eos_ids = eos_ids
-        self.finish_reason: str | None = None
-        self.streamed = 0
-
-    @property
-    def finished(self) -> bool:
-        return self.finish_reason is not None
-
-    @property
-    def raw(self) -> str:
-        """The text of every token so far (the context to send), stop strings included."""
-        return self.detokenizer.text if self.detokenizer is not None else self._raw
-
-    @property
-    def text(self) -> str:
-        """The completion's text: cut before a stop string."""
-        return self.hold.text
-
-    def exact(self) -> bool:
-        """Is ``raw`` the whole text of the tokens (no unfinished character held back)?"""
-        return self.detokenizer is None or self.detokenizer.read_offset == len(self.detokenizer.ids)
-
-    def push(self, key, text: str = "") -> None:
-        if self.finished:
-            return
-        self.keys.append(key)
-        if self.detokenizer is not None:
-            text = self.detokenizer.push([key])
-        else:
-            self._raw += text
-        self.hold.feed(text)
-        if (self.detokenizer is not None and key in self.eos_ids) or self.hold.stop_at is not None:
-            self.end("stop")
-        elif len(self.keys) >= self.max_tokens:
-            self.end("length")
-
-    def end(self, reason: str) -> None:
-        if self.finish_reason is None:
-            self.finish_reason = reason
-            if self.detokenizer is not None:
-                self.hold.feed(self.detokenizer.flush())
-
-    def release(self) -> str:
-        end = len(self.hold.text) if self.finished else self.hold.releasable
-        piece = self.hold.text[self.streamed:end]
-        self.streamed = max(self.streamed, end)
-        return piece
 
 
 # ---- per upstream -----------------------------------------------------------------------------------
@@ -532,19 +454,19 @@ class RemoteVerifier:
 class Draft:
     text: str
     source: str
-    expected: float | None = None  # the tokens its verify was expected to yield (None: not weighed)
     ids: list[int] | None = None  # its token ids (sent as such when the upstream takes id prompts)
 
 
 class Session:
-    """One request's speculative loop against the upstream."""
+    """One request's speculation (``engine/speculation.py``: sources, estimates, output, stops,
+    statistics) verified by the upstream: echo requests over drafts, plain streams between."""
 
     def __init__(self, verifier: RemoteVerifier, state: UpstreamState, model: str, prompt: str,
                  special: bool | None, max_tokens: int, stop: tuple[str, ...], prediction: str | None,
                  lookup: bool, max_draft: int, request_id: str, gone, eos_ids: frozenset[int]):
         self.verifier, self.state, self.upstream = verifier, state, state.upstream
         self.model, self.prompt, self.special = model, prompt, special
-        self.max_tokens, self.max_draft = max_tokens, max_draft
+        self.max_tokens = max_tokens
         self.request_id, self.gone = request_id, gone
         self.tokenizer = state.tokenizer
         # Token ids when a local tokenizer can read them and the upstream has not been seen
@@ -553,14 +475,13 @@ class Session:
         # ...and then prompts as token ids (the context exactly as decoded, never re-tokenised),
         # unless the upstream has refused them.
         self.id_prompts = self.ids and state.id_prompts is not False
-        self.out = Output(self.tokenizer if self.ids else None, stop, max_tokens, eos_ids)
-        self.prediction = PredictionSource(self.tokenizer or TextPieces(), prediction) if prediction else None
+        # Prompt lookup starts once the prompt's keys are known (text alignment: from the first answer).
         self.want_lookup = lookup
-        self.lookup: PromptLookupSource | None = None
+        sources = draft_sources(self.tokenizer or TextPieces(), None, prediction, False)
+        output = Output(self.tokenizer if self.ids else None, stop, max_tokens, eos_ids)
+        self.spec = Speculation(output, sources, max_draft, prior_accepted=PRIOR_ACCEPTED)
+        self.out, self.stats = self.spec.output, self.spec.stats
         self.prompt_keys: list | None = None
-        self.stats = GenerationStats()
-        self.stats.per_source = {name: SourceStats() for name in
-                                 (["prediction"] if prediction else []) + (["prompt_lookup"] if lookup else [])}
         self.requests = 0
         self.prompt_tokens_sent = 0
         self.checkpoint = (0, 0)  # (tokens, characters) of output whose context is known exact
@@ -569,14 +490,11 @@ class Session:
         self.failures = 0
         self.fallback: str | None = None  # why verification stopped, for the report
         self.min_plain = 1
-        # A prediction is presumed right where the output starts (as PredictionSource presumes).
-        self.tried_prediction = False  # a verify of a prediction draft was sent
-        # Realised over expected yield of this request's weighed verifies, per source: a model
-        # that leaves its copies every few dozen tokens soon stops earning long verifies.
-        self.calibration = {name: 1.0 for name in self.stats.per_source}
-        self.estimates = {name: AcceptanceEstimate(prior_accepted=9.0 if name == "prediction" else 4.0)
-                          for name in self.stats.per_source}
         self.started = time.perf_counter()
+
+    @property
+    def prediction(self) -> PredictionSource | None:
+        return self.spec.source("prediction")
 
     # ---- helpers ----------------------------------------------------------------------------
 
@@ -589,25 +507,22 @@ class Session:
         full = self.tokenizer.decode(list(context) + list(ids), skip_special_tokens=True)
         return full[len(head):] if full.startswith(head) else None
 
-    def _observe(self) -> None:
-        for source in (self.prediction, self.lookup):
-            if source is not None:
-                source.observe(self.out.keys, self.out.raw)
-
     def _start_lookup(self) -> None:
-        if self.want_lookup and self.lookup is None and self.prompt_keys is not None:
-            self.lookup = PromptLookupSource(self.prompt_keys, min_ngram=3)
-            self.lookup.observe([key for key in self.out.keys], self.out.raw)
+        if self.want_lookup and self.prompt_keys is not None:
+            self.spec.start_lookup(self.prompt_keys)
 
     def _propose(self) -> Draft | None:
-        """The draft to verify now, or None: no source has one, or none is worth its round trip."""
-        limit = min(self.max_draft, self.max_tokens - len(self.out.keys) - 1)
+        """The draft to verify now, or None: no source has one, or none is worth its round trip.
+        The prediction first, then prompt lookup; its length by ``_worth``. Turning the chosen
+        tokens into what is sent (token ids, or text) is this module's alignment."""
+        limit = min(self.spec.max_draft, self.spec.room - 1)
         if limit < 1:
             return None
+        options = {option.source: option for option in self.spec.draft_options(limit)}
         source = self.prediction
         if source is not None and source.cursor is not None and source.cursor < len(source.text):
             starts = source.token_starts
-            pieces = isinstance(source.tokenizer, TextPieces)
+            pieces = source.scores_on_text
             # Pieces are not tokens: count by the characters per token of this output.
             per_token = (len(self.out.raw) / len(self.out.keys) if self.out.raw else 4.0) if pieces else None
             index = bisect.bisect_left(starts, source.cursor)
@@ -617,7 +532,7 @@ class Session:
                 available = min(limit, max(1, round((len(source.text) - source.cursor) / per_token)))
             else:
                 available = min(limit, len(starts) - index + head)
-            length, expected = self._worth(source.name, available, source.agreement_run())
+            length, expected = self._worth("prediction", available, options["prediction"].run)
             if length:
                 if pieces:
                     index = bisect.bisect_left(starts, source.cursor + int(length * per_token) + 1)
@@ -626,32 +541,35 @@ class Session:
                     stop = index + length - head
                     end = starts[stop] if stop < len(starts) else len(source.text)
                 if end > source.cursor:
-                    ids = source.propose(length) if self.id_prompts else None
-                    return Draft(source.text[source.cursor:end], "prediction", expected, ids)
-        if self.lookup is not None:
-            proposal = self.lookup.propose(limit)
+                    self.spec.set_draft("prediction", length, expected)
+                    return Draft(source.text[source.cursor:end], "prediction",
+                                 list(self.spec.draft) if self.id_prompts else None)
+        if "prompt_lookup" in options:
+            proposal = self.spec.proposals["prompt_lookup"]
             length, expected = (self._worth("prompt_lookup", len(proposal), None)
                                 if len(proposal) >= LOOKUP_MIN_DRAFT else (0, None))
             if length:
                 proposal = proposal[:length]
-                if self.id_prompts:
-                    return Draft("", "prompt_lookup", expected, list(proposal))
-                if self.ids:
+                text = ""
+                if self.ids and not self.id_prompts:
                     text = self._decode_after((self.prompt_keys + self.out.keys)[-BOUNDARY_TOKENS:], proposal)
-                else:
+                elif not self.ids:
                     text = "".join(proposal) if all(_trusted(p) for p in proposal) else None
-                if text:
-                    return Draft(text, "prompt_lookup", expected)
+                if text or self.id_prompts:
+                    self.spec.set_draft("prompt_lookup", length, expected)
+                    return Draft(text, "prompt_lookup", list(proposal) if self.id_prompts else None)
         return None
 
     def _worth(self, source: str, available: int, run: float | None) -> tuple[int, float | None]:
         """(the draft length whose verify yields the most tokens per second, or 0 when plain
-        decoding is faster; the tokens it is expected to yield). Before both costs are measured:
-        all of it."""
+        decoding is faster; the tokens it is expected to yield), by the engine's draft choice
+        (``draft_length.choose_drafts``) against this upstream's measured costs: an echo request
+        over the context and the draft, or a plain token. Before both costs are measured: all
+        of it."""
         if available < 1:
             return 0, None
         costs = self.state.costs()
-        if costs is None or self.upstream.verify_always or (source == "prediction" and not self.tried_prediction):
+        if costs is None or self.upstream.verify_always or (source == "prediction" and source not in self.spec.tried):
             # Unmeasured, told to, or the request's first try of its prediction, which is
             # presumed right where the output starts: one echo request at most is risked.
             return available, None
@@ -659,14 +577,9 @@ class Session:
         context = (len(self.prompt_keys) if self.prompt_keys is not None else len(self.prompt) // 4) + len(self.out.keys)
         if self.state.reuses_prompts:  # charged for what the last verify did not already send
             context -= min(context, self.shared_with_last_verify)
-        acceptance, calibration = self.estimates[source].rate, self.calibration[source]
-        best, best_rate, best_yield = 0, 1.0 / plain, None
-        for length in candidate_lengths(available):
-            expected = calibration * expected_yield(acceptance, run, length)
-            rate = expected / verify.at(context + length)
-            if rate > best_rate:
-                best, best_rate, best_yield = length, rate, expected
-        return best, best_yield
+        option = DraftOption(source, self.spec.estimates[source].rate, run, available, self.spec.calibration[source])
+        [(_, length)] = choose_drafts([[option]], lambda drafted: verify.at(context + drafted) if drafted else plain)
+        return length, (option.expected(length) if length else None)
 
     async def _context_exact(self) -> bool:
         """Token ids: does ``prompt + output`` re-tokenise into the tokens actually chosen?"""
@@ -832,57 +745,42 @@ class Session:
                 recovered, complete = answer.best[j], False
                 break
             accepted += 1
-        before = len(out.keys)
-        for j in range(len(context), len(context) + accepted):
-            out.push(keys[j], answer.strings[j])
-        kept_drafts = len(out.keys) - before
+        tail, ending = [], None
+        if recovered is not None:
+            if self.ids or _trusted(recovered):
+                tail = [(recovered, "" if self.ids else recovered)]
+        elif complete:
+            tail, ending = self._bonus(answer)
+        verified = [(keys[j], answer.strings[j]) for j in range(len(context), len(context) + accepted)] + tail
+        if draft is None:
+            self.spec.set_draft(None, 0)
+        kept = self.spec.accept(accepted, [key for key, _ in verified], [text for _, text in verified],
+                                drafted=len(drafted))
+        if ending is not None:
+            out.end(ending)
+        kept_drafts = min(accepted, len(kept))
         self.shared_with_last_verify = len(context) + kept_drafts
-        if not out.finished:
-            if recovered is not None:
-                if self.ids or _trusted(recovered):
-                    out.push(recovered, recovered if not self.ids else "")
-            elif complete:
-                self._bonus(answer)
-        if draft is not None and draft.expected:
-            realised = kept_drafts + (1 if len(out.keys) > before + kept_drafts else 0)
-            self.calibration[draft.source] = min(1.0, 0.5 * self.calibration[draft.source]
-                                                 + 0.5 * realised / draft.expected)
-        if draft is not None:
-            self.tried_prediction |= draft.source == "prediction"
-            estimate = self.estimates[draft.source]
-            estimate.accepted = estimate.accepted * estimate.decay + kept_drafts
-            estimate.rejected = estimate.rejected * estimate.decay + (1 if kept_drafts < len(drafted) else 0)
-            record = self.stats.per_source[draft.source]
-            record.rounds += 1
-            record.drafted += len(drafted)
-            record.accepted += kept_drafts
-            self.stats.drafted_tokens += len(drafted)
-            self.stats.accepted_tokens += kept_drafts
-            self.stats.count_positions(len(drafted), kept_drafts)
         self.min_plain = 1 if kept_drafts >= 2 else min(MAX_MIN_PLAIN, self.min_plain * 2)
-        self._observe()
         log.debug("%s: verify %d: %d prompt tokens, drafted %d (%s), accepted %d, then %s", self.request_id,
                   self.requests, answer.prompt_tokens, len(drafted), draft.source if draft else "-", kept_drafts,
                   "a recovered token" if recovered is not None else "the bonus" if complete else "nothing")
-        return "ok" if len(out.keys) > before or out.finished else "boundary"
+        return "ok" if kept or out.finished else "boundary"
 
-    def _bonus(self, answer: EchoAnswer) -> None:
-        """The token generated after a fully accepted draft (or the end of the output)."""
-        out = self.out
+    def _bonus(self, answer: EchoAnswer) -> tuple[list[tuple], str | None]:
+        """The token generated after a fully accepted draft as (key, text), or the end of the
+        output: ([tokens], reason the output ends or None)."""
         if answer.generated is not None:
             if self.ids:
-                out.push(answer.generated)
-                return
+                return [(answer.generated, "")], None
             string = answer.strings[answer.prompt_tokens]
             if _trusted(string) and string == answer.generated_text:
-                out.push(string, string)
-                return
+                return [(string, string)], None
         if answer.finish_reason == "stop" and not answer.generated_text:
-            if not self.ids:
-                out.push(None)  # the end-of-sequence token: counted, no text
-            out.end("stop")
-        elif answer.finish_reason == "length" and answer.completion_tokens == 0:
-            out.end("length")  # no room left in the upstream's context
+            # The end-of-sequence token: counted, no text (token ids: the id itself ends it).
+            return ([] if self.ids else [(None, "")]), "stop"
+        if answer.finish_reason == "length" and answer.completion_tokens == 0:
+            return [], "length"  # no room left in the upstream's context
+        return [], None
 
     async def _plain(self, rejoin: bool):
         """Plain greedy decoding upstream, streamed: from the output's end (``rejoin``: until the
@@ -943,32 +841,21 @@ class Session:
                     self.state.plain_token_seconds.append((now - last_chunk) / len(keys))
                 if keys:
                     last_chunk = now
-                followed_from = self.prediction.cursor if self.prediction is not None else None
-                grown_from, pushed = len(out.raw), 0
-                # What prompt lookup would have drafted here, scored against what came (as the
-                # local engine scores every source every round).
-                foreseen = self.lookup.propose(len(keys)) if self.lookup is not None and replayed >= len(replay) else []
+                # Plain tokens are a round with no draft: every source's proposal is scored on them,
+                # as the engine scores its sources every round.
+                fresh = replayed >= len(replay)
+                new = []
                 for key, string in keys:
                     if replayed < len(replay):
                         if key != replay[replayed]:
                             raise RemoteFailure("the upstream's output differs from what it wrote before")
                         replayed += 1
                         continue
-                    out.push(key, string)
-                    generated += 1
-                    pushed += 1
-                    self.stats.target_passes += 1
-                    if out.finished:
-                        break
-                self._observe()
-                if pushed and foreseen:
-                    self.estimates["prompt_lookup"].update(foreseen, out.keys[-pushed:])
-                if pushed and followed_from is not None:
-                    # Score the prediction on plain tokens too: did it foresee them?
-                    estimate = self.estimates["prediction"]
-                    followed = self.prediction.cursor == followed_from + len(out.raw) - grown_from
-                    estimate.accepted = estimate.accepted * estimate.decay + (pushed if followed else 0)
-                    estimate.rejected = estimate.rejected * estimate.decay + (0 if followed else 1)
+                    new.append((key, string))
+                if new:
+                    self.spec.draft_options(len(new) if fresh else 0)
+                    generated += len(self.spec.accept(0, [key for key, _ in new], [text for _, text in new],
+                                                      passes=None))
                 finish = choice.get("finish_reason")
                 if out.finished:
                     if finish:
@@ -1024,28 +911,17 @@ class Session:
     # ---- the result ------------------------------------------------------------------------------
 
     async def usage(self) -> tuple[dict, dict]:
+        """(usage, speculation report) of the request, once its output is done."""
         stats = self.stats
-        stats.completion_tokens = len(self.out.keys)
+        stats.prompt_tokens = len(self.prompt_keys) if self.prompt_keys is not None else 0
+        await asyncio.to_thread(self.spec.close)  # the prediction's usage: a diff of two texts
         stats.decode_seconds = time.perf_counter() - self.started
-        accepted = rejected = 0
-        if self.prediction is not None:
-            accepted, rejected = await asyncio.to_thread(
-                prediction_token_usage, self.prediction.text, self.prediction.token_starts, self.out.text)
-        prompt_tokens = len(self.prompt_keys) if self.prompt_keys is not None else 0
-        usage = {
-            "prompt_tokens": prompt_tokens,
-            "completion_tokens": stats.completion_tokens,
-            "total_tokens": prompt_tokens + stats.completion_tokens,
-            "prompt_tokens_details": {"cached_tokens": 0},
-            "completion_tokens_details": {"accepted_prediction_tokens": accepted,
-                                          "rejected_prediction_tokens": rejected, "reasoning_tokens": 0},
-        }
         report = {**stats.speculation_report(), "seed": None, "upstream_requests": self.requests,
                   "upstream_prompt_tokens": self.prompt_tokens_sent,
                   "remote_verification": {"alignment": "token_ids" if self.ids else "text",
                                           "prompts": "token_ids" if self.id_prompts else "text",
                                           "fallback": self.fallback}}
-        return usage, report
+        return engine_usage(stats), report
 
 
 async def _sse_events(response: httpx.Response):

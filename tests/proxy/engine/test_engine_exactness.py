@@ -138,6 +138,18 @@ def test_cancellation_stops_promptly(tiny_engine, tiny_case):
                                   should_stop=lambda: len(rounds) >= 3)
     assert result.finish_reason == "cancelled"
     assert len(rounds) == 3
+    assert_no_blocks_held(tiny_engine.cache)
+
+
+def assert_no_blocks_held(cache):
+    """Every block is free or held once by the prefix cache alone, and nothing is promised: a
+    cancelled sequence left nothing behind (checked on the blocks, not by a later symptom)."""
+    assert all(promised == 0 for promised in cache._promised.values())
+    for group, pool in cache.pools.items():
+        cached = [e.blocks[group] for e in cache.prefix.values() if e.blocks.get(group) is not None]
+        held = {block: refs for block, refs in enumerate(pool.refs) if refs}
+        assert held == {block: 1 for block in cached}, group
+        assert len(pool.free) + len(cached) == pool.num_blocks, group
 
 
 # ---- the real embedded model -------------------------------------------------------------

@@ -99,7 +99,7 @@ def test_stop_token_ids_end_the_output_like_eos(template_cycle, tokenizer):
     # The engine's own EOS still ends outputs that ask for other stop tokens.
     eos = next(iter(engine.eos_token_ids))
     seq_eos = engine.add(GenerationRequest(prompt_ids=prompt, stop_token_ids=(end_of_turn,)))
-    assert seq_eos.eos_token_ids == {eos, end_of_turn}
+    assert seq_eos.output.eos_ids == {eos, end_of_turn}
     engine.abort(seq_eos)
 
 
