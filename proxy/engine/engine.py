@@ -46,15 +46,8 @@ from foretell.proxy.engine.precision import default_fp32_head, describe, head_ro
 from foretell.proxy.engine.prompt_logprob_cache import PromptLogprobCache
 from foretell.proxy.engine.sampling import SpeculativeSampler
 from foretell.proxy.engine.verify import VerifyRows, verify_step
-from foretell.proxy.engine.sequence import (
-    GenerationRequest,
-    GenerationResult,
-    GenerationStats,
-    Sequence,
-    SequenceUpdate,
-    SourceStats,
-    TokenLogprob,
-)
+from foretell.proxy.engine.sequence import GenerationRequest, GenerationResult, Sequence, SequenceUpdate, TokenLogprob
+from foretell.proxy.engine.stats import GenerationStats, SourceStats
 
 __all__ = ["CacheFullError", "GenerationRequest", "GenerationResult", "GenerationStats",
            "Sequence", "SequenceUpdate", "SourceStats", "SpeculativeEngine", "TokenLogprob"]

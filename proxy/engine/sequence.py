@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from foretell.proxy.engine.kv_cache import SequenceBlocks
 from foretell.proxy.engine.sampling import SpeculativeSampler
 from foretell.proxy.engine.speculation import Output, Speculation, draft_sources
-from foretell.proxy.engine.stats import GenerationStats, SourceStats  # noqa: F401 (re-exported)
+from foretell.proxy.engine.stats import GenerationStats
 
 
 @dataclass
