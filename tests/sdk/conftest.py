@@ -1,5 +1,5 @@
 """SDK test fixtures: tiktoken's o200k_base without internet, and scripted HTTP servers at the
-httpx transport edge."""
+httpx transport edge. (The SDK against a live ``foretell serve`` is tests/e2e/test_sdk_live.py.)"""
 
 from __future__ import annotations
 
@@ -80,45 +80,3 @@ def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
-
-
-@pytest.fixture(scope="session")
-def live_server():
-    """``foretell serve`` on 127.0.0.1 with the embedded model (no calibration), shared by the
-    SDK's live tests; yields its OpenAI base URL."""
-    import subprocess
-    import sys
-    import time
-
-    port = free_port()
-    env = dict(os.environ, HF_HUB_OFFLINE="1")
-    env.pop("FORETELL_API_KEY", None)
-    env.pop("FORETELL_MODEL", None)
-    # The product's default precision (bf16 with the fp32 head on a CPU with native bf16): these
-    # tests compare the server with itself, speculative against plain, as the README promises.
-    env.pop("FORETELL_DTYPE", None)
-    process = subprocess.Popen(
-        [sys.executable, "-m", "foretell.cli", "serve", "--port", str(port), "--no-calibrate",
-         "--log-level", "warning"],  # the pipe is read only on failure: no access lines to fill it
-        env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    base = f"http://127.0.0.1:{port}"
-    deadline = time.time() + 300
-    try:
-        while True:
-            if process.poll() is not None:
-                raise RuntimeError("foretell serve exited:\n" + process.stdout.read())
-            try:
-                if httpx.get(base + "/health", timeout=2).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            if time.time() > deadline:
-                raise RuntimeError("foretell serve did not become healthy")
-            time.sleep(0.2)
-        yield base + "/v1"
-    finally:
-        process.terminate()
-        try:
-            process.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            process.kill()

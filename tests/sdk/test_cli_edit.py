@@ -1,5 +1,5 @@
-"""``foretell edit``: the atomic write offline, the command as a subprocess (errors offline, edits
-against the live server)."""
+"""``foretell edit``: the atomic write, and the command as a subprocess, offline (its edits against
+a live ``foretell serve`` are tests/e2e/test_cli_edit.py)."""
 
 from __future__ import annotations
 
@@ -11,9 +11,8 @@ import sys
 import pytest
 
 from foretell.cli import FileChangedError, _edit_stats, write_atomically
-from foretell.sdk import Client, EditResult, edit, unified_diff
+from foretell.sdk import EditResult, unified_diff
 from tests.sdk.conftest import free_port
-from tests.sdk.test_live import FILE, INSTRUCTION, MODEL
 
 
 def run_edit(*args, env_extra=None):
@@ -106,51 +105,3 @@ def test_the_statistics_count_changed_lines_that_look_like_diff_headers():
 def test_write_and_diff_are_exclusive(tmp_path):
     result = run_edit(str(tmp_path / "f.py"), "-i", "x", "--write", "--diff")
     assert result.returncode == 2 and "not allowed with" in result.stderr
-
-
-# ---- the command against the live server ------------------------------------------------------
-
-@pytest.fixture(scope="module")
-def expected(live_server):
-    with Client(live_server, max_retries=0, timeout=300) as client:
-        return edit(client, FILE, INSTRUCTION, model=MODEL, filename="shapes.py")
-
-
-@pytest.mark.embedded
-def test_edit_prints_the_new_file_and_statistics(tmp_path, live_server, expected):
-    path = tmp_path / "shapes.py"
-    path.write_text(FILE)
-    # No --model: the first model the server lists; the base URL from the environment.
-    result = run_edit(str(path), "--instruction", INSTRUCTION, env_extra={"FORETELL_BASE_URL": live_server})
-    assert result.returncode == 0, result.stderr
-    assert result.stdout == expected.text
-    stats = result.stderr.strip().splitlines()[-1]
-    assert stats.startswith("foretell edit: ") and "tok/s" in stats and "prediction tokens:" in stats
-    assert path.read_text() == FILE  # no --write: untouched
-
-
-@pytest.mark.embedded
-def test_edit_diff_and_write(tmp_path, live_server, expected):
-    path = tmp_path / "shapes.py"
-    path.write_text(FILE)
-    instruction_file = tmp_path / "instruction.txt"
-    instruction_file.write_text(INSTRUCTION)
-    diff = run_edit(str(path), "--instruction-file", str(instruction_file), "--diff",
-                    "--base-url", live_server, "--model", MODEL)
-    assert diff.returncode == 0, diff.stderr
-    assert diff.stdout == expected.diff
-    written = run_edit(str(path), "-i", INSTRUCTION, "--write", "--base-url", live_server, "--model", MODEL)
-    assert written.returncode == 0, written.stderr
-    assert path.read_text() == expected.text and written.stdout == ""
-    assert leftovers(tmp_path) == []
-
-
-@pytest.mark.embedded
-def test_an_edit_cut_off_by_max_tokens_is_refused(tmp_path, live_server):
-    path = tmp_path / "shapes.py"
-    path.write_text(FILE)
-    result = run_edit(str(path), "-i", INSTRUCTION, "--write", "--max-tokens", "5",
-                      "--base-url", live_server, "--model", MODEL)
-    assert result.returncode == 1
-    assert "was not changed" in result.stderr and "Traceback" not in result.stderr
-    assert path.read_text() == FILE

@@ -24,21 +24,21 @@ def run_example(name: str, base_url: str) -> str:
 
 
 @pytest.mark.parametrize("name", ["sdk_edit.py", "openai_edit.py"])
-def test_edit_examples_accept_prediction_tokens(live_server, name):
-    out = run_example(name, live_server)
+def test_edit_examples_accept_prediction_tokens(embedded_server, name):
+    out = run_example(name, embedded_server)
     accepted = re.search(r"prediction tokens: (\d+) accepted, (\d+) rejected", out)
     assert accepted and int(accepted.group(1)) > 0, out
     assert re.search(r"target passes: \d+ for \d+ tokens", out), out
 
 
-def test_rag_summary_drafts_from_the_prompt(live_server):
-    out = run_example("rag_summary.py", live_server)
+def test_rag_summary_drafts_from_the_prompt(embedded_server):
+    out = run_example("rag_summary.py", embedded_server)
     assert re.search(r"^answer: \S", out, re.MULTILINE), out
     lookup = re.search(r"prompt lookup: drafted (\d+), accepted (\d+)", out)
     assert lookup and int(lookup.group(2)) > 0, out
 
 
-def test_async_batch_edits_finishes_every_edit(live_server):
-    out = run_example("async_batch_edits.py", live_server)
+def test_async_batch_edits_finishes_every_edit(embedded_server):
+    out = run_example("async_batch_edits.py", embedded_server)
     assert "3 of 3 edits done" in out, out
     assert len(re.findall(r"prediction tokens accepted", out)) == 3
