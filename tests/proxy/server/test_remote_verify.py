@@ -1,7 +1,7 @@
 """Remote verification (``proxy/server/remote_verify.py``) and echo with prompt logprobs
 (``proxy/server/echo.py``), over real HTTP.
 
-Two ``foretell serve`` processes on a tiny model: the *upstream*, and the *proxy*, whose TOML
+Two servers on a tiny model, in process on real ports (tests/serving.py): the *upstream*, and the *proxy*, whose TOML
 routes ``tiny`` to the upstream with ``verify_predictions = "echo"`` and the model's tokenizer
 (token-id alignment), and ``tiny-text`` with ``"auto"`` and no tokenizer (text alignment); plus
 the stub upstream's echo model (``upstream_stub.py``) for echo answers that are wrong.
@@ -13,19 +13,15 @@ plain path (still exact, but nothing to see)."""
 
 from __future__ import annotations
 
-import contextlib
 import json
-import os
 import re
-import subprocess
-import sys
-import time
 
 import httpx
 import pytest
 import torch
 
-from tests.proxy.server.upstream_stub import ECHO_GOLD, ECHO_PROMPT, StubServer, echo_greedy, free_port
+from tests.proxy.server.upstream_stub import ECHO_GOLD, ECHO_PROMPT, StubServer, echo_greedy
+from tests.serving import LogRecords, ServedApp, route_table, tiny_app
 
 PROMPT = "the quick brown fox jumps over the lazy dog and"
 N = 40
@@ -64,29 +60,24 @@ def word_model(tokenizer, tmp_path_factory):
     return model, folder
 
 
-def _start(folder, port: int, log_path, *args: str) -> subprocess.Popen:
-    env = dict(os.environ, HF_HUB_OFFLINE="1")
-    for name in ("FORETELL_API_KEY", "FORETELL_UPSTREAM_BASE_URL", "FORETELL_CONFIG"):
-        env.pop(name, None)
-    with open(log_path, "w") as log:
-        return subprocess.Popen(
-            [sys.executable, "-m", "foretell.cli", "serve", "--model", str(folder), "--port", str(port),
-             "--no-calibrate", *args], env=env, stdout=log, stderr=subprocess.STDOUT)
-
-
 @pytest.fixture(scope="module")
 def servers(word_model, tmp_path_factory):
+    """The upstream ("tiny", and "tiny-text", "tiny-measured" local too) and the proxy (its own
+    model "proxy-local", the routes below), both in process (tests/serving.py), and the stub."""
     _, folder = word_model
     work = tmp_path_factory.mktemp("remote")
-    up_port, proxy_port = free_port(), free_port()
-    (work / "up.toml").write_text('[models.tiny-text]\nlocal = true\n[models.tiny-measured]\nlocal = true\n')
-    with StubServer() as stub:
-        stub_routes = "".join(
-            f'[upstreams.stub-{m}]\nbase_url = "{stub.base_url}"\nverify_predictions = "echo"\nmax_retries = 0\n'
-            f'[models.{m}]\nupstream = "stub-{m}"\n' for m in STUB_MODELS)
-        (work / "proxy.toml").write_text(f"""
+    (work / "up").mkdir()
+    (work / "proxy").mkdir()
+    with StubServer() as stub, LogRecords() as log:
+        up_app = tiny_app(folder, routes=route_table('[models.tiny-text]\nlocal = true\n'
+                                                     '[models.tiny-measured]\nlocal = true\n', work / "up"))
+        with ServedApp(up_app, "upstream") as up:
+            stub_routes = "".join(
+                f'[upstreams.stub-{m}]\nbase_url = "{stub.base_url}"\nverify_predictions = "echo"\nmax_retries = 0\n'
+                f'[models.{m}]\nupstream = "stub-{m}"\n' for m in STUB_MODELS)
+            routes = route_table(f"""
 [upstreams.up]
-base_url = "http://127.0.0.1:{up_port}/v1"
+base_url = "{up.base}/v1"
 verify_predictions = "echo"
 tokenizer = "{folder}"
 verify_always = true
@@ -94,14 +85,14 @@ max_retries = 0
 timeout_seconds = 120
 
 [upstreams.up-text]
-base_url = "http://127.0.0.1:{up_port}/v1"
+base_url = "{up.base}/v1"
 verify_predictions = "auto"
 verify_always = true
 max_retries = 0
 timeout_seconds = 120
 
 [upstreams.up-measured]
-base_url = "http://127.0.0.1:{up_port}/v1"
+base_url = "{up.base}/v1"
 verify_predictions = "echo"
 tokenizer = "{folder}"
 max_retries = 0
@@ -123,34 +114,12 @@ max_retries = 0
 timeout_seconds = 120
 [models.gate-tiny]
 upstream = "gate"
-""" + stub_routes)
-        stub.app.state.relay_base = f"http://127.0.0.1:{up_port}/v1"
-        processes = [_start(folder, up_port, work / "up.log", "--served-model-name", "tiny",
-                            "--config", str(work / "up.toml")),
-                     _start(folder, proxy_port, work / "proxy.log", "--served-model-name", "proxy-local",
-                            "--config", str(work / "proxy.toml"))]
-        bases = [f"http://127.0.0.1:{up_port}", f"http://127.0.0.1:{proxy_port}"]
-        try:
-            deadline = time.time() + 180
-            for process, base, name in zip(processes, bases, ["up.log", "proxy.log"]):
-                while True:
-                    if process.poll() is not None:
-                        raise RuntimeError("foretell serve exited:\n" + (work / name).read_text())
-                    with contextlib.suppress(httpx.TransportError):
-                        if httpx.get(base + "/health", timeout=2).status_code == 200:
-                            break
-                    if time.time() > deadline:
-                        raise RuntimeError("foretell serve did not become healthy:\n" + (work / name).read_text())
-                    time.sleep(0.1)
-            yield {"up": bases[0], "proxy": bases[1], "proxy_log": work / "proxy.log", "stub": stub}
-        finally:
-            for process in processes:
-                process.terminate()
-            for process in processes:
-                try:
-                    process.wait(timeout=20)
-                except subprocess.TimeoutExpired:
-                    process.kill()
+""" + stub_routes, work / "proxy")
+            stub.app.state.relay_base = f"{up.base}/v1"
+            with ServedApp(tiny_app(folder, served_model_name="proxy-local", routes=routes), "proxy") as proxy:
+                up.wait_healthy()
+                proxy.wait_healthy()
+                yield {"up": up.base, "proxy": proxy.base, "log": log.text, "stub": stub}
 
 
 def post(base: str, path: str, body: dict) -> httpx.Response:
@@ -384,7 +353,7 @@ def test_an_upstream_refusing_token_id_prompts_gets_text_prompts(servers, refere
     assert report["accepted_tokens"] >= N // 2
     sent = [r["body"]["prompt"] for r in servers["stub"].received[received:]]
     assert isinstance(sent[0], list) and all(isinstance(p, str) for p in sent[1:])  # refused once
-    assert "upstream 'gate': refused a prompt of token ids" in servers["proxy_log"].read_text()
+    assert "upstream 'gate': refused a prompt of token ids" in servers["log"]()
     text, _, final = _through(servers, "gate-tiny", body, True)  # later requests: text from the start
     assert text == reference and final["speculation"]["remote_verification"]["prompts"] == "text"
     assert all(isinstance(r["body"]["prompt"], str) for r in servers["stub"].received[received + len(sent):])
@@ -423,7 +392,7 @@ def test_chat_with_the_routes_template(servers, reference):
 
 
 def test_text_alignment_without_a_tokenizer(servers, reference):
-    log = servers["proxy_log"].read_text()
+    log = servers["log"]()
     assert "upstream 'up-text': remote verification on" in log and "token ids: yes" in log
     body = {"prompt": PROMPT, "max_tokens": N, "temperature": 0,
             "prediction": {"type": "content", "content": _edit(reference)}}
