@@ -16,11 +16,16 @@ import pytest  # noqa: E402
 
 
 @pytest.fixture(scope="session")
-def embedded_folder():
-    """The embedded model's converted folder (converted and cached on first use)."""
+def embedded_folder(tmp_path_factory):
+    """The embedded model's converted folder (converted and cached on first use). Test sessions
+    running at once (pytest-xdist's workers) take turns here, so a first run converts it once."""
+    import fcntl
+
     from foretell.proxy.engine.model_loader import resolve_model_folder
 
-    return resolve_model_folder(None)[1]
+    with open(tmp_path_factory.getbasetemp().parent / "foretell-embedded-model.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
+        return resolve_model_folder(None)[1]
 
 
 @pytest.fixture(scope="session")
@@ -40,7 +45,7 @@ def tiny_model(tokenizer):
 
 
 @pytest.fixture(scope="session")
-def embedded():
+def embedded(embedded_folder):
     """The real embedded Gemma 3 270M with its tokenizer."""
     from foretell.proxy.engine.model_loader import load_model
 

@@ -50,10 +50,11 @@ upstream = "down"
 
 
 @pytest.fixture(scope="session")
-def embedded_server(tmp_path_factory):
+def embedded_server(tmp_path_factory, embedded_folder):
     """``foretell serve`` with the embedded model at the product's default precision (bf16 with
     the fp32 head on a CPU with native bf16: these tests compare the server with itself,
-    speculative against plain, as the README promises); yields its OpenAI base URL."""
+    speculative against plain, as the README promises); yields its OpenAI base URL. The model is
+    converted first, if it must be, under ``embedded_folder``'s lock."""
     log = tmp_path_factory.mktemp("embedded-serve") / "server.log"
     with live_server(None, log, "--log-level", "warning", unset=("FORETELL_DTYPE", "FORETELL_MODEL"),
                      timeout=300) as live:

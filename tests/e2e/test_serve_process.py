@@ -190,11 +190,15 @@ def test_health_answers_while_a_huge_prompt_is_handled(server, kind):
     # Spaces tokenise 16 to a token: a prefix rule that assumed ordinary text would miss them,
     # and tokenising 3.5 MB of them whole takes about ten seconds. 100k chat messages take a
     # second to validate, and their objects set off a full garbage collection.
-    bound = 0.1
+    # On the event loop, each would hold /health up for a second or more (tokenising the 3.5 MB of
+    # code takes 3 s here, the spaces ten, validating the messages one); off it, an answer takes
+    # milliseconds, or ~0.1 s while json.loads holds the GIL on the messages (0.07 s here). 0.5 s
+    # tells the two apart and leaves room for a busy machine, which 0.1 s (0.2 s for the
+    # messages) did not: a single answer the OS scheduled late would fail it.
+    bound = 0.5
     if kind == "messages":
         path, param = "/v1/chat/completions", "messages"
         body = {"model": MODEL, "messages": [{"role": "user", "content": "x"}] * 100_000, "max_tokens": 1}
-        bound = 0.2  # json.loads holds the GIL while it parses them (a tenth of a second)
     else:
         text = "def total(items):\n    result = 0\n" if kind == "code" else " "
         path, param = "/v1/completions", "prompt"

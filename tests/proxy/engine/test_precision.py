@@ -205,7 +205,7 @@ def test_the_engine_casts_a_model_and_names_its_precision(tiny_model, tokenizer)
 
 
 @pytest.fixture(scope="module")
-def embedded_bf16():
+def embedded_bf16(embedded_folder):  # converted first, under its lock
     from foretell.proxy.engine.model_loader import load_model
 
     loaded = load_model(None, dtype="bfloat16")
