@@ -424,13 +424,13 @@ def test_the_cost_policy_chooses_plain_decoding_when_prefill_is_dear():
     state.verify_measured = True
     state.plain_token_seconds.extend([0.1, 0.1, 0.1])  # a plain token 0.1 s
     assert session._worth("prediction", 64, 8.0)[0] == 64  # the request's first try of its prediction
-    session.tried_prediction = True
+    session.spec.tried.add("prediction")
     assert session._worth("prediction", 64, 8.0)[0] == 0  # a fresh run yields less than 30 tokens
     assert session._worth("prediction", 128, 1000.0)[0] == 0  # acceptance 0.9 still caps the yield
-    session.estimates["prediction"].accepted, session.estimates["prediction"].rejected = 1000.0, 0.01
+    session.spec.estimates["prediction"].accepted, session.spec.estimates["prediction"].rejected = 1000.0, 0.01
     length, expected = session._worth("prediction", 128, 1000.0)
     assert length == 128 and expected > 100  # a long proven copy pays
-    session.calibration["prediction"] = 0.2  # ...unless its verifies have yielded a fifth of that
+    session.spec.calibration["prediction"] = 0.2  # ...unless its verifies have yielded a fifth of that
     assert session._worth("prediction", 128, 1000.0)[0] == 0
     state.verify_cost.observe(150, 0.05)  # a GPU-like upstream: prefill nearly free
     state.verify_cost.observe(150, 0.05)
@@ -443,7 +443,7 @@ def test_an_upstream_reusing_prompts_is_charged_for_new_tokens_only():
 
     state = UpstreamState(Upstream(name="u", base_url="http://127.0.0.1:9/v1", verify_predictions="echo"))
     session = Session(None, state, "m", "x" * 2000, None, 200, (), "y" * 400, False, 128, "req", None, frozenset())
-    session.tried_prediction = True
+    session.spec.tried.add("prediction")
     for new_tokens, seconds in [(500, 2.0), (500, 2.0), (20, 0.3), (20, 0.3)]:
         state.verify_cost.observe(new_tokens, seconds)
     state.verify_measured = True
