@@ -16,7 +16,9 @@ DRAFT = 6
 
 @torch.inference_mode()
 def fresh_logits(model, ids):
-    return model(input_ids=torch.tensor([ids])).logits[0, -1]
+    """The next-token logits after every prefix of ``ids`` from one fresh forward: row ``i`` is
+    what a forward over ``ids[:i + 1]`` alone gives (causal attention), up to matmul shapes."""
+    return model(input_ids=torch.tensor([ids])).logits[0]
 
 
 def drafts_rejected_at_every_position(reference):
@@ -64,12 +66,13 @@ def check_rollback(engine, model, prompt_ids, atol, expect_reuse=False):
     reference = greedy_reference(model, prompt_ids, DRAFT + 1)
     cases = list(drafts_rejected_at_every_position(reference))
     outcomes = rounds_in_one_batch(engine, prompt_ids, [draft for _, draft in cases])
+    fresh = fresh_logits(model, list(prompt_ids) + reference)  # every case's tokens are a prefix
     for (j, _), (reused, accepted, new_tokens, logits) in zip(cases, outcomes):
         assert accepted == j
         assert new_tokens == reference[: j + 1]
         if expect_reuse:
             assert reused > 0
-        expected = fresh_logits(model, list(prompt_ids) + new_tokens)
+        expected = fresh[len(prompt_ids) + j]  # after prompt + new_tokens
         torch.testing.assert_close(logits, expected, atol=atol, rtol=0)
 
 
