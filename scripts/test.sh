@@ -18,4 +18,6 @@ if [ ! -x "${FORETELL_CHROMIUM:-/usr/bin/chromium}" ]; then
     fi
 fi
 export HF_HUB_OFFLINE=1
-exec .venv/bin/python -m pytest "$@"
+# Two workers (pytest-xdist), whole test files to a worker so that a module's server or model is
+# built once; FORETELL_TEST_WORKERS=0 runs everything in this process (so does -n 0 after it).
+exec .venv/bin/python -m pytest -n "${FORETELL_TEST_WORKERS:-2}" --dist loadfile "$@"

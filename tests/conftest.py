@@ -1,5 +1,5 @@
 """Shared fixtures. Environment first: no model hub at run time, Triton in interpreter mode
-(it must be set before anything imports triton)."""
+(it must be set before anything imports triton), torch's threads."""
 
 import os
 
@@ -7,6 +7,14 @@ os.environ["HF_HUB_OFFLINE"] = "1"
 # Kernel tests run on CUDA tensors, compiled, under FORETELL_TEST_DEVICE=cuda (benchmarks/gpu_check.py).
 os.environ.setdefault("TRITON_INTERPRET", "0" if os.environ.get("FORETELL_TEST_DEVICE") == "cuda" else "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# torch's OpenMP threads, here and in the commands the suite starts: under pytest-xdist the
+# workers share the cores out (one thread each for two workers on two cores); and waiting threads
+# sleep rather than spin, as spinning ones make a small matmul ten times slower as soon as
+# another busy process shares the cores (measured on the tiny models with a second process busy).
+if os.environ.get("PYTEST_XDIST_WORKER_COUNT"):
+    os.environ.setdefault("OMP_NUM_THREADS",
+                          str(max(1, (os.cpu_count() or 1) // int(os.environ["PYTEST_XDIST_WORKER_COUNT"]))))
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 # The suite's exactness oracle is the float32 model (plain greedy decoding, token for token), so
 # the commands and servers it starts run float32 unless a test asks for another precision
 # (tests/proxy/engine/test_precision.py covers bf16, the default on a CPU with native bf16, and int8/int4).
