@@ -136,7 +136,7 @@ def test_stopping_a_stream_early_cancels_and_leaves_the_server_healthy(embedded_
         time.sleep(0.1)
 
 
-def test_errors_from_the_embedded_server_are_typed(client):
+def test_errors_from_the_live_server_are_typed(client):
     with pytest.raises(NotFoundError) as caught:
         client.chat.completions.create(model="no-such-model", messages=[{"role": "user", "content": "x"}])
     assert caught.value.request_id.startswith("req-") and "no-such-model" in caught.value.message
