@@ -44,19 +44,21 @@ class ServedApp:
         return self
 
     def wait_healthy(self, timeout: float = 120.0, while_loading=None) -> ServedApp:
-        """Wait for /health 200; ``while_loading(self)`` runs once if a 503 is seen first."""
+        """Wait for /health 200; ``while_loading(self)`` runs once if a 503 is seen first. A
+        load that failed fails here at once."""
         deadline = time.monotonic() + timeout
         called = False
         while True:
-            status = httpx.get(self.base + "/health", timeout=10).status_code
-            if status == 200:
+            health = httpx.get(self.base + "/health", timeout=10)
+            if health.status_code == 200:
                 return self
-            if status == 503 and while_loading is not None and not called:
+            if health.json().get("status") == "error":
+                raise RuntimeError(f"the in-process server's model did not load: {health.text}")
+            if health.status_code == 503 and while_loading is not None and not called:
                 called = True
                 while_loading(self)
             if time.monotonic() > deadline:
-                raise RuntimeError("the in-process server never became healthy: "
-                                   + httpx.get(self.base + "/health", timeout=10).text)
+                raise RuntimeError(f"the in-process server never became healthy: {health.text}")
             time.sleep(0.05)
 
     def __exit__(self, *exc) -> None:
@@ -85,7 +87,11 @@ def route_table(toml_text: str, folder):
 
 @contextlib.contextmanager
 def serve(app, name: str = "app", *, healthy: bool = True):
-    """``app`` served on a thread for the ``with`` block (healthy first unless told otherwise)."""
+    """``app`` served on a thread for the ``with`` block (healthy first unless told otherwise).
+
+    One model load at a time in this process: transformers' loading sets process-wide state
+    (the default device while weights are made), so two loads on two threads at once can leave
+    meta tensors behind for every later load. Start an app once the one before is healthy."""
     with ServedApp(app, name) as served:
         if healthy:
             served.wait_healthy()

@@ -21,7 +21,7 @@ import pytest
 import torch
 
 from tests.proxy.server.upstream_stub import ECHO_GOLD, ECHO_PROMPT, StubServer, echo_greedy
-from tests.serving import LogRecords, ServedApp, route_table, tiny_app
+from tests.serving import LogRecords, route_table, serve, tiny_app
 
 PROMPT = "the quick brown fox jumps over the lazy dog and"
 N = 40
@@ -71,7 +71,7 @@ def servers(word_model, tmp_path_factory):
     with StubServer() as stub, LogRecords() as log:
         up_app = tiny_app(folder, routes=route_table('[models.tiny-text]\nlocal = true\n'
                                                      '[models.tiny-measured]\nlocal = true\n', work / "up"))
-        with ServedApp(up_app, "upstream") as up:
+        with serve(up_app, "upstream") as up:  # healthy before the proxy loads (tests/serving.py)
             stub_routes = "".join(
                 f'[upstreams.stub-{m}]\nbase_url = "{stub.base_url}"\nverify_predictions = "echo"\nmax_retries = 0\n'
                 f'[models.{m}]\nupstream = "stub-{m}"\n' for m in STUB_MODELS)
@@ -116,9 +116,7 @@ timeout_seconds = 120
 upstream = "gate"
 """ + stub_routes, work / "proxy")
             stub.app.state.relay_base = f"{up.base}/v1"
-            with ServedApp(tiny_app(folder, served_model_name="proxy-local", routes=routes), "proxy") as proxy:
-                up.wait_healthy()
-                proxy.wait_healthy()
+            with serve(tiny_app(folder, served_model_name="proxy-local", routes=routes), "proxy") as proxy:
                 yield {"up": up.base, "proxy": proxy.base, "log": log.text, "stub": stub}
 
 
