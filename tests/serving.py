@@ -5,7 +5,7 @@ for a ``foretell serve`` process (torch, transformers and a model load each time
 ``tiny_app(folder, ...)`` is ``foretell serve --model FOLDER --no-calibrate`` in float32 (the
 suite's exactness oracle, as tests/conftest.py sets for commands) with ``ServerSettings`` fields
 for the options; ``route_table(toml)`` is ``--config``. ``foretell serve`` as a process, for what
-only a process shows (its stderr, its memory, its signals), is tests/e2e/live_server.py."""
+only a process shows (its stderr, its memory, an event loop to itself), is tests/e2e/live_server.py."""
 
 from __future__ import annotations
 
