@@ -141,3 +141,14 @@ def build_small_vocab_model(seed: int = 0, logit_scale: float = 1.0):
     with torch.no_grad():
         model.lm_head.weight.mul_(logit_scale)
     return model, tokenizer
+
+
+def assert_envelope(response, status: int, param=None) -> dict:
+    """The error envelope every refusal shares (OpenAI's four fields, a request id); its error."""
+    assert response.status_code == status, response.text
+    error = response.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"} and error["message"]
+    assert response.headers["x-request-id"]
+    if param is not None:
+        assert error["param"] == param, error
+    return error

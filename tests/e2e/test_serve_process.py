@@ -23,6 +23,7 @@ import pytest
 
 from foretell.proxy.server.logs import ACCESS_FIELDS
 from tests.e2e.conftest import KEY, UPSTREAM_KEY, WRONG_KEY
+from tests.helpers import assert_envelope
 
 API_KEY = KEY
 MODEL = "tiny"
@@ -156,16 +157,6 @@ def post(server, path: str, body=None, *, content: bytes | None = None, headers=
     if content is None:
         content = json.dumps(body).encode()
     return httpx.post(server.base + path, content=content, headers=headers, timeout=timeout)
-
-
-def assert_envelope(response, status: int, param=None) -> dict:
-    assert response.status_code == status, response.text
-    error = response.json()["error"]
-    assert set(error) == {"message", "type", "param", "code"} and error["message"]
-    assert response.headers["x-request-id"]
-    if param is not None:
-        assert error["param"] == param, error
-    return error
 
 
 def test_a_chunked_body_is_never_held_whole(server):

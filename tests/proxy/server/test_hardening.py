@@ -21,6 +21,7 @@ from foretell.proxy.engine.sampling import target_probs
 from foretell.proxy.server import upstream as upstream_module
 from foretell.proxy.server.guard import allowed_hosts, host_allowed
 from foretell.proxy.server.redact import Redactor
+from tests.helpers import assert_envelope
 from tests.proxy.server.upstream_stub import StubServer
 from tests.serving import LogRecords, route_table, serve, tiny_app
 
@@ -60,16 +61,6 @@ def post(server, path: str, body=None, *, content: bytes | None = None, headers=
     if content is None:
         content = json.dumps(body).encode()
     return httpx.post(server.base + path, content=content, headers=headers, timeout=timeout)
-
-
-def assert_envelope(response, status: int, param=None) -> dict:
-    assert response.status_code == status, response.text
-    error = response.json()["error"]
-    assert set(error) == {"message", "type", "param", "code"} and error["message"]
-    assert response.headers["x-request-id"]
-    if param is not None:
-        assert error["param"] == param, error
-    return error
 
 
 def requests_counted(server, status: int) -> float:
