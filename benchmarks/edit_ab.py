@@ -1,7 +1,7 @@
 """The edit benchmark, this tree beside an earlier commit, alternating rounds (A B A B) so that
 the machine's drift falls on both: what "within 5% of main" is measured with.
 
-    python benchmarks/edit_ab.py REF [--rounds 2] [-- edit_benchmark options]
+    python benchmarks/edit_ab.py [--rounds 2] REF [-- edit_benchmark options]
 
 Each round runs ``edit_benchmark.py`` (default options ``--skip-hf --files 3 --max-tokens 600``)
 as a subprocess, in float32 unless FORETELL_DTYPE says otherwise, first from this tree, then from
@@ -36,9 +36,10 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("ref", help="the commit to compare with, e.g. main")
     parser.add_argument("--rounds", type=int, default=2)
-    parser.add_argument("options", nargs="*", default=["--skip-hf", "--files", "3", "--max-tokens", "600"],
-                        help="edit_benchmark.py's options (after --)")
+    parser.add_argument("options", nargs="*", help="edit_benchmark.py's options, after -- (default: "
+                        "--skip-hf --files 3 --max-tokens 600)")
     args = parser.parse_args()
+    args.options = args.options or ["--skip-hf", "--files", "3", "--max-tokens", "600"]
     site = assemble_baseline(args.ref)
     env = dict(os.environ, HF_HUB_OFFLINE="1")
     env.setdefault("FORETELL_DTYPE", "float32")
