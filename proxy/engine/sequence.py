@@ -88,7 +88,6 @@ class Sequence(Speculation):
                  eos_token_ids: frozenset[int], blocks: SequenceBlocks):
         self.request = request
         self.prompt = list(request.prompt_ids)
-        self.max_tokens = max_tokens
         eos = frozenset(eos_token_ids) | frozenset(request.stop_token_ids)
         super().__init__(Output(tokenizer, request.stop, max_tokens, eos),
                          draft_sources(tokenizer, self.prompt, request.prediction, request.prompt_lookup),

@@ -13,7 +13,7 @@ from foretell.proxy.server.body import JsonBody
 from foretell.proxy.server.guard import _check_key
 from foretell.proxy.server.prompts import chat_prompt, prompt_ids
 from foretell.proxy.server.schema import APIError, DetokenizeRequest, TokenizeRequest, validate
-from foretell.proxy.server.state import Server, model_loading
+from foretell.proxy.server.state import Server
 
 
 def _check(request: Request, server: Server) -> None:
@@ -54,12 +54,11 @@ async def detokenize_endpoint(server: Server, body: JsonBody):
 
 def _local_for(server, model: str | None):
     """The local model, which ``model`` (when given) must name."""
-    if server.local is None:
-        raise model_loading()
+    local = server.loaded()
     if model is not None and model not in server.local_names():
         raise APIError(404, f"model {model!r} does not exist here (only the local model is tokenised)",
                        param="model", code="model_not_found")
-    return server.local
+    return local
 
 
 def _tokenize(tokenizer, parsed: TokenizeRequest, context) -> list[int]:
