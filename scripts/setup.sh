@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Set up foretell in ./.venv: torch first (the CPU build on a machine without an NVIDIA GPU,
-# so pip never pulls a multi-GB CUDA build there), then foretell with its proxy and dev extras.
+# so pip never pulls a multi-GB CUDA build there), the draft cache's suffix trees built against
+# it, then foretell with its proxy, draft-cache and dev extras.
 # Safe to run again: an existing venv and an installed torch are kept.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -22,6 +23,18 @@ if ! "$py" -c "import torch" 2>/dev/null; then
     "$py" -m pip install --quiet --disable-pip-version-check "$torch_spec"
 fi
 
-echo "foretell setup: installing foretell[proxy,dev]" >&2
-"$py" -m pip install --quiet --disable-pip-version-check -e ".[proxy,dev]"
+# The draft cache's suffix trees (arctic-inference, the `draft-cache` extra) build from source
+# against this torch: its build tools first, then the build with isolation off, so no isolated build
+# environment fetches a CUDA torch. pip keeps the built wheel in its cache for later setups.
+if ! "$py" -c "import arctic_inference.suffix_decoding" 2>/dev/null; then
+    echo "foretell setup: building arctic-inference (the draft cache's suffix trees; about a minute)" >&2
+    "$py" -m pip install --quiet --disable-pip-version-check setuptools wheel ninja "cmake>=3.18" \
+        nanobind==2.9.2 protobuf==5.29.6 grpcio-tools numpy
+    CMAKE_ARGS="-DPython_EXECUTABLE=$(cd .venv/bin && pwd)/python" \
+        "$py" -m pip install --quiet --disable-pip-version-check --no-build-isolation --no-deps \
+        arctic-inference==0.3.0
+fi
+
+echo "foretell setup: installing foretell[proxy,draft-cache,dev]" >&2
+"$py" -m pip install --quiet --disable-pip-version-check -e ".[proxy,draft-cache,dev]"
 echo "foretell setup: done (.venv/bin/foretell)" >&2

@@ -73,20 +73,22 @@ def token_logprobs(logits: torch.Tensor, tokens: list[int], top: int) -> list[To
 
 
 class SpeculativeEngine:
-    """Greedy or sampled generation for many sequences at once, with drafts from predictions
-    and/or prompt lookup, verified exactly."""
+    """Greedy or sampled generation for many sequences at once, with drafts from predictions,
+    prompt lookup and the draft cache of earlier outputs, verified exactly."""
 
     def __init__(self, model, tokenizer, pass_cost: PassCostModel | None = None, *,
                  kv_cache_tokens: int = DEFAULT_KV_CACHE_TOKENS, block_size: int = 16,
                  prefill_chunk: int = DEFAULT_PREFILL_CHUNK, max_sequences: int = 16,
                  max_draft_positions: int = DEFAULT_MAX_DRAFT_POSITIONS,
                  dtype: torch.dtype | None = None, fp32_head: bool | None = None,
-                 kernels: str | None = None):
+                 kernels: str | None = None, draft_cache=None):
         """``dtype`` casts ``model`` in place (None: as loaded, see ``model_loader.load_model``
         for --dtype and --quantize); ``fp32_head`` scores each row's leading tokens in float32
         over a bf16/fp16 head (None: on for such a head, ``precision.default_fp32_head``);
         ``kernels`` is auto, triton or reference (None: ``FORETELL_KERNELS``, else auto; see
-        ``kernel_choice.py``): Triton kernels are checked against their references here."""
+        ``kernel_choice.py``): Triton kernels are checked against their references here.
+        ``draft_cache``: a ``draft_cache.DraftCache`` that requests with a ``draft_cache_scope``
+        draft from and feed (None: no drafts across requests)."""
         if prefill_chunk < 1 or kv_cache_tokens < block_size:
             raise ValueError("prefill_chunk must be >= 1 and kv_cache_tokens >= block_size")
         if dtype is not None:
@@ -120,6 +122,7 @@ class SpeculativeEngine:
             self.cache.heads, self.cache.kv_heads, self.cache.head_dim, block_size, self.cache.window))
         self.cache.attention_kernel = self.kernels.paged_attention
         self.prompt_logprob_cache = PromptLogprobCache(max_positions=kv_cache_tokens)
+        self.draft_cache = draft_cache
 
     @property
     def precision(self) -> str:
@@ -159,7 +162,8 @@ class SpeculativeEngine:
         blocks = self.cache.reserve(positions, max_query)
         if blocks is None:
             return None
-        seq = Sequence(request, max_tokens, self.tokenizer, self.device, self.eos_token_ids, blocks)
+        seq = Sequence(request, max_tokens, self.tokenizer, self.device, self.eos_token_ids, blocks,
+                       self.draft_cache)
         if request.prompt_logprobs is None:
             seq.stats.cached_tokens = self.cache.match_prefix(blocks, seq.prompt)
         else:  # a cached prefix serves only as far as its prompt logprobs are known

@@ -24,6 +24,9 @@ class GenerationRequest:
     prediction: str | None = None
     # Prompt lookup: None means "as the fallback when a prediction is given, else off".
     prompt_lookup: bool | None = None
+    # The tenant scope of the engine's draft cache of earlier outputs (``draft_cache.py``) this
+    # request drafts from and adds its output to; None: it neither drafts from nor feeds it.
+    draft_cache_scope: str | None = None
     stop: tuple[str, ...] = ()
     # Token ids that end the output as EOS does (never part of the text): a chat template's
     # end-of-turn tokens. Added to the engine's own EOS ids.
@@ -85,7 +88,7 @@ class Sequence(Speculation):
     statistics) plus its place in the KV cache, its sampler and its log-probabilities."""
 
     def __init__(self, request: GenerationRequest, max_tokens: int, tokenizer, device,
-                 eos_token_ids: frozenset[int], blocks: SequenceBlocks):
+                 eos_token_ids: frozenset[int], blocks: SequenceBlocks, draft_cache=None):
         self.request = request
         self.prompt = list(request.prompt_ids)
         eos = frozenset(eos_token_ids) | frozenset(request.stop_token_ids)
@@ -103,6 +106,8 @@ class Sequence(Speculation):
         self.pending = self.prompt[-1]
         self.admitted_at = time.perf_counter()
         self.first_verify_at: float | None = None
+        if draft_cache is not None and request.draft_cache_scope is not None:  # last: it opens an entry
+            self.add_source(draft_cache.source(request.draft_cache_scope, self.prompt))
 
     @property
     def uncached_prompt(self) -> int:

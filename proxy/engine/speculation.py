@@ -251,7 +251,10 @@ class Speculation:
         if reason is not None:
             self.output.end(reason)
         self.stats.completion_tokens = len(self.output.keys)
+        completed = self.output.finish_reason in ("stop", "length")
         for source in self.sources:
+            if hasattr(source, "close"):  # a source with shared state (the draft cache) lets go of it
+                source.close(completed)
             if isinstance(source, PredictionSource):  # (an estimate where the tokens are pieces of text)
                 accepted, rejected = prediction_token_usage(source.text, source.token_starts, self.output.text)
                 self.stats.accepted_prediction_tokens, self.stats.rejected_prediction_tokens = accepted, rejected

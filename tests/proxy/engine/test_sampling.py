@@ -141,6 +141,22 @@ def test_first_tokens_follow_the_exact_target_distribution(small, temperature):
     assert stat < critical, f"chi-square {stat:.1f} >= {critical:.1f}: not the target distribution"
 
 
+def test_drafts_from_earlier_samples_keep_the_exact_distribution(small):
+    """The draft cache of earlier outputs: each sample drafts from the samples before it (and
+    those running beside it), so its drafts are the likeliest continuations: still exact."""
+    from foretell.proxy.engine.draft_cache import DraftCache
+
+    model, tokenizer, _ = small
+    engine = SpeculativeEngine(model, tokenizer)
+    engine.draft_cache = DraftCache()
+    prompt_ids = tokenizer(PROMPT)["input_ids"]
+    expected = exact_distribution(model, prompt_ids, 3, tokenizer.eos_token_id, temperature=1.0)
+    counts, drafted, accepted = sample_many(engine, prompt_ids, None, temperature=1.0, draft_cache_scope="s")
+    assert drafted >= SAMPLES // 2 and 0 < accepted < drafted  # the cache's drafts really ran
+    stat, critical = chi_square(counts, expected, SAMPLES)
+    assert stat < critical, f"chi-square {stat:.1f} >= {critical:.1f}: not the target distribution"
+
+
 @pytest.mark.parametrize("wrong_rule", [accept_always, resample_from_p])
 def test_the_distribution_test_catches_a_wrong_rule(small, monkeypatch, wrong_rule):
     model, tokenizer, engine = small
