@@ -22,7 +22,7 @@ from typing import Any, Callable
 
 from foretell import __version__
 from foretell.origin_colors import CHOICES, legend, paint_spans, paint_within, use_color
-from foretell.proxy.options import DTYPE_CHOICES, KERNEL_CHOICES, QUANTIZE_CHOICES
+from foretell.proxy.options import DRAFT_CACHE_SCOPES, DTYPE_CHOICES, KERNEL_CHOICES, QUANTIZE_CHOICES
 
 
 def _read_file(path: str, what: str) -> tuple[bytes, str]:
@@ -304,6 +304,20 @@ def build_parser() -> argparse.ArgumentParser:
                        default=_FromEnv("FORETELL_PREFILL_CHUNK", 256, _positive_int),
                        help="prompt tokens prefilled per step, so a long prompt stalls running "
                             "streams by one chunk at most (default: 256) (env: FORETELL_PREFILL_CHUNK)")
+    serve.add_argument("--draft-cache-scope", type=_choice(DRAFT_CACHE_SCOPES),
+                       default=_FromEnv("FORETELL_DRAFT_CACHE_SCOPE", "key", _choice(DRAFT_CACHE_SCOPES)),
+                       help="drafts from earlier answers (a suffix-tree cache, beside predictions and "
+                            "prompt lookup), kept apart per tenant: key (default: per API key where "
+                            "--api-key is set, else per request 'user', else one shared cache), "
+                            "user (per 'user' within each key), global (one cache for all: "
+                            "acceptance, and so latency, then depends on what others asked) or off. "
+                            "A request opts out with speculation: {\"draft_cache\": false} "
+                            "(env: FORETELL_DRAFT_CACHE_SCOPE)")
+    serve.add_argument("--draft-cache-tokens", type=_positive_int,
+                       default=_FromEnv("FORETELL_DRAFT_CACHE_TOKENS", 1_000_000, _positive_int),
+                       help="output tokens the draft cache holds, all scopes together; the oldest "
+                            "answers go first (default: 1000000, about 0.5 GB) "
+                            "(env: FORETELL_DRAFT_CACHE_TOKENS)")
     serve.add_argument("--max-body-bytes", type=_positive_int,
                        default=_FromEnv("FORETELL_MAX_BODY_BYTES", 4 * 1024 * 1024, _positive_int),
                        help="largest request body, else 413 (default: 4 MiB) (env: FORETELL_MAX_BODY_BYTES)")
@@ -495,6 +509,7 @@ def run_serve(args: argparse.Namespace) -> int:
         allowed_hosts=tuple(h.strip() for h in args.allowed_hosts.split(",") if h.strip()),
         metrics_public=args.metrics_public, dtype=args.dtype, quantize=args.quantize,
         fp32_head=args.fp32_head, kernels=args.kernels,
+        draft_cache_scope=args.draft_cache_scope, draft_cache_tokens=args.draft_cache_tokens,
     )
     import logging
 

@@ -1,4 +1,4 @@
-"""Names of the local model's precision and kernel options, shared by the command line, the configuration
+"""Names of the local model's precision, kernel and draft-cache options, shared by the command line, the configuration
 file and the engine (``engine/precision.py``). Importable without torch, as the command line
 and the routing configuration are."""
 
@@ -8,3 +8,5 @@ QUANTIZE_CHOICES = ("none", "int8", "int4")
 PRECISION_KEYS = ("dtype", "quantize", "fp32_head")
 # Which implementation runs the engine's kernels (``engine/kernel_choice.py``): --kernels.
 KERNEL_CHOICES = ("auto", "triton", "reference")
+# Whose earlier answers a request drafts from (``server/draft_scope.py``): --draft-cache-scope.
+DRAFT_CACHE_SCOPES = ("key", "user", "global", "off")

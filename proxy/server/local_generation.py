@@ -9,6 +9,7 @@ import asyncio
 from fastapi import Request
 
 from foretell.proxy.engine.scheduler import TokensEvent
+from foretell.proxy.server.draft_scope import draft_cache_scope, key_identity
 from foretell.proxy.server.local_jobs import LocalJob, answer
 from foretell.proxy.server.logprobs_format import (
     RunningCompletionLogprobs,
@@ -28,7 +29,10 @@ async def run(request: Request, server, local, parsed, plan: RequestPlan):
     async with server.prompt_slots:
         prompt_ids = await asyncio.to_thread(request_prompt_ids, local.tokenizer, parsed, plan.is_chat,
                                              local.context)
-    choices = engine_requests(parsed, plan, prompt_ids, local)
+    settings = server.settings
+    key = key_identity(request.headers.get("authorization")) if settings.api_keys else None
+    scope = draft_cache_scope(settings.draft_cache_scope, key, parsed.user, plan.draft_cache)
+    choices = engine_requests(parsed, plan, prompt_ids, local, draft_cache_scope=scope)
     shape, texts = Shape(local.name, plan.is_chat), TokenTexts(local.tokenizer)
     origins = OriginSpans(local.tokenizer, choices[0].stop) if plan.report_origins and parsed.stream else None
     return await answer(request, server, local, choices, parsed.stream,

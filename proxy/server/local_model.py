@@ -38,9 +38,18 @@ def default_loader(settings: ServerSettings):
 
         loaded = load_model(settings.model, dtype=settings.dtype, quantize=settings.quantize,
                             fp32_head=settings.fp32_head)
+        draft_cache = None
+        if settings.draft_cache_scope != "off":
+            from foretell.proxy.engine.draft_cache import DraftCache
+
+            try:
+                draft_cache = DraftCache(max_tokens=settings.draft_cache_tokens)
+            except ImportError as error:  # a hand-made install without the optional package
+                log.warning("draft cache off: %s", error)
         engine = SpeculativeEngine(loaded.model, loaded.tokenizer, kv_cache_tokens=settings.kv_cache_tokens,
                                    prefill_chunk=settings.prefill_chunk, max_sequences=settings.max_running,
-                                   fp32_head=settings.fp32_head, kernels=settings.kernels)
+                                   fp32_head=settings.fp32_head, kernels=settings.kernels,
+                                   draft_cache=draft_cache)
         log.info("engine precision: %s; kernels: %s", engine.precision,
                  ", ".join(engine.kernels.triton) or "torch references")
         if settings.calibrate:  # from the calibration cache when this machine measured it before
@@ -49,7 +58,7 @@ def default_loader(settings: ServerSettings):
 
         def record(result) -> None:
             metrics.record_generation(name, result.stats, result.finish_reason)
-            metrics.record_cache(engine.cache)
+            metrics.record_cache(engine.cache, engine.draft_cache)
 
         scheduler = Scheduler(engine, settings.max_queue, settings.max_running, on_result=record)
         return LocalModel(loaded, scheduler, name)

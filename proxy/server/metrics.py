@@ -43,6 +43,14 @@ class Metrics:
         self.kv_cache_usage = Gauge("foretell_kv_cache_usage_perc",
                                     "Fraction of the KV cache's full-attention blocks in use or cached",
                                     registry=r)
+        self.draft_cache_tokens = Gauge("foretell_draft_cache_tokens",
+                                        "Output tokens of earlier requests held by the suffix draft cache "
+                                        "(all tenant scopes)", registry=r)
+        self.draft_cache_requests = Gauge("foretell_draft_cache_requests",
+                                          "Earlier requests whose outputs the suffix draft cache holds",
+                                          registry=r)
+        self.draft_cache_scopes = Gauge("foretell_draft_cache_scopes",
+                                        "Tenant scopes with outputs in the suffix draft cache", registry=r)
         # vLLM's pair: the hit rate is hits / queries (prompt tokens found in the prefix cache).
         self.prefix_cache_queries = Counter("foretell_prefix_cache_queries",
                                             "Prompt tokens looked up in the prefix cache", ["model"],
@@ -89,8 +97,13 @@ class Metrics:
         for name in kernels["triton"] + list(kernels["fallback"]):
             self.kernel_fallback.labels(kernel=name).set(1 if name in kernels["fallback"] else 0)
 
-    def record_cache(self, cache) -> None:
+    def record_cache(self, cache, draft_cache=None) -> None:
         self.kv_cache_usage.set(cache.usage())
+        if draft_cache is not None:
+            sizes = draft_cache.snapshot()
+            self.draft_cache_tokens.set(sizes["cached_tokens"])
+            self.draft_cache_requests.set(sizes["cached_requests"])
+            self.draft_cache_scopes.set(sizes["scopes"])
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

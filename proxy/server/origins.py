@@ -1,7 +1,7 @@
 """Which draft source wrote each character of a stream: the ``report_origins`` extension.
 
-The engine reports an origin per *token* (``"prediction"``, ``"prompt_lookup"``, or None for
-the target's own), but streams *text*, and the two do not line up: the detokenizer holds back an
+The engine reports an origin per *token* (``"prediction"``, ``"prompt_lookup"``, ``"suffix_cache"``,
+or None for the target's own), but streams *text*, and the two do not line up: the detokenizer holds back an
 unfinished character (byte-fallback tokens), stop strings hold back a possible prefix, and a
 chunk may end in the middle of a token's text. ``OriginSpans`` keeps a queue of
 (origin, characters) for the tokens verified so far and takes characters from its front as text

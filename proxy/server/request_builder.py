@@ -26,6 +26,7 @@ class RequestPlan:
     max_tokens: int  # the completion's length at most; 0: score the prompt only (echo)
     prediction: str | None
     prompt_lookup: bool | None  # None: as the fallback when a prediction is given, else off
+    draft_cache: bool | None  # False: the request opted out of the draft cache; None: as the server says
     max_draft: int | None  # tokens drafted per round at most; None: the verifier's default
     report_origins: bool  # the stream's per-chunk origins (origins.py)
     include_usage: bool  # the stream ends with a usage chunk
@@ -52,6 +53,7 @@ def plan(parsed, settings) -> RequestPlan:
         max_tokens=parsed.max_tokens_or(settings.default_max_tokens if is_chat else COMPLETION_DEFAULT_MAX_TOKENS),
         prediction=prediction,
         prompt_lookup=speculation.prompt_lookup if speculation else None,
+        draft_cache=speculation.draft_cache if speculation else None,
         max_draft=speculation.max_draft if speculation else None,
         report_origins=bool(speculation and speculation.report_origins),
         include_usage=bool(parsed.stream_options and parsed.stream_options.include_usage),
@@ -60,10 +62,11 @@ def plan(parsed, settings) -> RequestPlan:
 
 
 def engine_requests(parsed, plan: RequestPlan, prompt_ids: list[int], local,
-                    prompt_logprobs: int | None = None) -> list[GenerationRequest]:
+                    prompt_logprobs: int | None = None, draft_cache_scope: str | None = None) -> list[GenerationRequest]:
     """The engine requests of a local generation, one per choice; APIError 400 when the
     completion cannot fit the model's context, or for ``n > 1`` in a stream. ``prompt_logprobs``:
-    the prompt's log-probabilities with that many alternatives (echo)."""
+    the prompt's log-probabilities with that many alternatives (echo); ``draft_cache_scope``: the
+    tenant scope whose earlier answers it drafts from (``draft_scope.py``; None: none)."""
     tokens = max(plan.max_tokens, 1)  # a score-only echo runs one token, which is dropped
     if local.context is not None and tokens > local.context - len(prompt_ids):
         raise APIError(400, f"max_tokens {plan.max_tokens} plus the prompt's {len(prompt_ids)} tokens "
@@ -79,6 +82,9 @@ def engine_requests(parsed, plan: RequestPlan, prompt_ids: list[int], local,
         max_draft=plan.max_draft or GenerationRequest.max_draft,
         temperature=parsed.temperature or 0.0, top_p=parsed.top_p or 1.0, top_k=parsed.top_k or None,
         seed=parsed.seed, logprobs=parsed.logprob_alternatives(), prompt_logprobs=prompt_logprobs,
+        # A seeded sampled request drafts from itself alone: its random draws follow its draft
+        # lengths, and its seed must replay whatever the cache holds by then.
+        draft_cache_scope=None if parsed.seed is not None and (parsed.temperature or 0) > 0 else draft_cache_scope,
     )
     # n choices are sibling sequences sharing the prompt's blocks; a seeded request's further
     # choices take the next seeds (modulo 2**64), so they differ yet replay.

@@ -87,10 +87,13 @@ class Speculation(_Lenient):
     """foretell's extension: ``{"prompt_lookup": true, "max_draft": 64, "report_origins": true}``.
 
     ``prompt_lookup`` unset means: on as the fallback when a prediction is given, else off.
+    ``draft_cache``: false keeps the request out of the draft cache of earlier answers (it neither
+    drafts from it nor adds its answer); unset or true: as the server's ``--draft-cache-scope``.
     ``report_origins`` (streams only) adds a ``foretell`` field to each chunk: its text in runs
     by origin (see ``origins.py``)."""
 
     prompt_lookup: StrictBool | None = None
+    draft_cache: StrictBool | None = None
     max_draft: StrictInt | None = Field(default=None, ge=1, le=512)
     report_origins: StrictBool | None = None
 

@@ -34,3 +34,7 @@ class ServerSettings:
     fp32_head: bool | None = None  # None: precision.default_fp32_head
     # Triton or the torch references for attention and verification (engine/kernel_choice.py).
     kernels: str | None = None  # None: FORETELL_KERNELS, else auto
+    # The draft cache of earlier answers: whose answers a request drafts from (draft_scope.py:
+    # key, user, global or off) and how many output tokens it holds, all scopes together.
+    draft_cache_scope: str = "key"
+    draft_cache_tokens: int = 1_000_000

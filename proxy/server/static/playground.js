@@ -526,7 +526,7 @@
   async function compare() {
     const last = state.last;
     if (!last || !last.run) return;
-    const body = { ...last.body, speculation: { prompt_lookup: false, report_origins: true } };
+    const body = { ...last.body, speculation: { prompt_lookup: false, draft_cache: false, report_origins: true } };
     delete body.prediction;
     showError("");
     try {
