@@ -37,6 +37,16 @@ class Metrics:
                                   registry=r)
         self.running = Gauge("foretell_num_requests_running", "Sequences in the engine's batch",
                              registry=r)
+        # The same load signals under the names vLLM exports, so that routers written for vLLM
+        # pods (the Gateway API Inference Extension's endpoint picker, vLLM's production-stack
+        # router) can balance foretell pods alike.
+        self.vllm_waiting = Gauge("vllm:num_requests_waiting", "Requests waiting for the engine",
+                                  ["model_name"], registry=r)
+        self.vllm_running = Gauge("vllm:num_requests_running", "Sequences in the engine's batch",
+                                  ["model_name"], registry=r)
+        self.vllm_kv_cache_usage = Gauge("vllm:kv_cache_usage_perc",
+                                         "Fraction of the KV cache in use or cached (1 = full)",
+                                         ["model_name"], registry=r)
         self.kernel_fallback = Gauge("foretell_kernel_fallback",
                                      "1 when the kernel's Triton version failed its start-up check and "
                                      "its torch reference runs instead, else 0", ["kernel"], registry=r)
@@ -96,6 +106,15 @@ class Metrics:
         torch reference replaced a failed Triton kernel."""
         for name in kernels["triton"] + list(kernels["fallback"]):
             self.kernel_fallback.labels(kernel=name).set(1 if name in kernels["fallback"] else 0)
+
+    def record_load(self, model: str, waiting: int, running: int, kv_cache_usage: float) -> None:
+        """The engine's queue, batch and KV cache now, under foretell's names and vLLM's."""
+        self.queue_length.set(waiting)
+        self.running.set(running)
+        self.kv_cache_usage.set(kv_cache_usage)
+        self.vllm_waiting.labels(model).set(waiting)
+        self.vllm_running.labels(model).set(running)
+        self.vllm_kv_cache_usage.labels(model).set(kv_cache_usage)
 
     def record_cache(self, cache, draft_cache=None) -> None:
         self.kv_cache_usage.set(cache.usage())

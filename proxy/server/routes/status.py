@@ -24,8 +24,9 @@ async def health(server: Server):
 @router.get("/metrics")
 async def prometheus(server: Server):
     local, metrics = server.local, server.metrics
-    metrics.queue_length.set(local.scheduler.queued if local else 0)
-    metrics.running.set(local.scheduler.running if local else 0)
+    if local is not None:
+        scheduler = local.scheduler
+        metrics.record_load(local.name, scheduler.queued, scheduler.running, scheduler.engine.cache.usage())
     return Response(metrics.render(), media_type="text/plain; version=0.0.4")
 
 

@@ -426,6 +426,10 @@ def test_full_queue_answers_429_with_retry_after(server):
             while _metric(server, "foretell_num_requests_waiting") < 1:
                 assert time.time() < deadline, "the second stream never reached the queue"
                 time.sleep(0.02)
+            # The same signals under vLLM's names, which routers built for vLLM pods read.
+            assert _metric(server, "vllm:num_requests_waiting", model_name=MODEL) == 1
+            assert _metric(server, "vllm:num_requests_running", model_name=MODEL) == 1
+            assert 0 < _metric(server, "vllm:kv_cache_usage_perc", model_name=MODEL) <= 1
             refused = raw(server, "/v1/completions", {"model": MODEL, "prompt": "x", "max_tokens": 2})
             # A route with a fallback upstream is forwarded instead of refused.
             diverted = raw(server, "/v1/completions",
