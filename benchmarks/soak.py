@@ -9,12 +9,14 @@ forwarded requests to a stub upstream (``tests/proxy/server/upstream_stub.py``) 
 a 500, or dies mid-stream. Every tenth plain stream is checked against the same request not
 streamed (greedy: the texts must be equal).
 
-It prints a row per minute (RSS, requests so far, unexpected answers) and a summary: RSS after the
-first minute against the last and the peak. An unexpected answer is a status other than the one
+It prints a row per minute (RSS, requests so far, unexpected answers, the draft cache's tokens from
+/metrics) and a summary: RSS after the first minute against the last and the peak, and the draft
+cache's largest size against its bound (``--draft-cache-tokens``, small by default so that it
+fills and evicts within the run). An unexpected answer is a status other than the one
 the kind expects, a stream that does not end in ``[DONE]`` (or ends in an error event where none
 was due), or a stream whose text differs from the same request's non-streamed text.
 
-    python benchmarks/soak.py [--minutes 30] [--clients 3]
+    python benchmarks/soak.py [--minutes 30] [--clients 3] [--draft-cache-tokens 4000]
 """
 
 from __future__ import annotations
@@ -177,14 +179,21 @@ class Soak:
                     self.problem("transport", repr(error))
 
 
-async def soak(server, minutes: float, clients: int, seed: int) -> int:
+def draft_cache_tokens(base: str) -> float:
+    """The draft cache's size in tokens, from /metrics."""
+    metrics = httpx.get(base + "/metrics", headers=HEADERS, timeout=30).text
+    line = next(line for line in metrics.splitlines() if line.startswith("foretell_draft_cache_tokens "))
+    return float(line.split()[1])
+
+
+async def soak(server, minutes: float, clients: int, seed: int, cache_bound: int) -> int:
     runner = Soak(server.base, seed)
     started = time.monotonic()
     deadline = started + 60 * minutes
     tasks = [asyncio.create_task(runner.client_loop(deadline)) for _ in range(clients)]
-    samples = []
-    print("| minute | RSS (MiB) | requests so far | unexpected so far |")
-    print("|---|---|---|---|")
+    samples, cache_sizes = [], []
+    print("| minute | RSS (MiB) | requests so far | unexpected so far | draft cache tokens |")
+    print("|---|---|---|---|---|")
     minute = 0
     while not all(task.done() for task in tasks):
         await asyncio.sleep(1)
@@ -192,14 +201,18 @@ async def soak(server, minutes: float, clients: int, seed: int) -> int:
         if time.monotonic() - started >= 60 * (minute + 1) or ended:
             minute += 1
             samples.append(server.status("VmRSS") / 1024)  # kB -> MiB
+            cache_sizes.append(await asyncio.to_thread(draft_cache_tokens, server.base))
             label = "end" if ended else minute  # the clients' last requests outlast the deadline
-            print(f"| {label} | {samples[-1]:.0f} | {sum(runner.sent.values())} | {len(runner.unexpected)} |",
-                  flush=True)
+            print(f"| {label} | {samples[-1]:.0f} | {sum(runner.sent.values())} | {len(runner.unexpected)} | "
+                  f"{cache_sizes[-1]:.0f} |", flush=True)
     await asyncio.gather(*tasks)
     print()
     print("requests by kind: " + ", ".join(f"{k} {v}" for k, v in sorted(runner.sent.items())))
     print(f"RSS after minute 1: {samples[0]:.0f} MiB; last: {samples[-1]:.0f} MiB; "
           f"peak sample: {max(samples):.0f} MiB; growth after minute 1: {samples[-1] - samples[0]:+.0f} MiB")
+    print(f"draft cache: at most {max(cache_sizes):.0f} tokens sampled, bound {cache_bound}")
+    if max(cache_sizes) > cache_bound:
+        runner.problem("draft cache", f"{max(cache_sizes):.0f} tokens, over its bound of {cache_bound}")
     print(f"unexpected answers: {len(runner.unexpected)}")
     for line in runner.unexpected[:20]:
         print("  " + line)
@@ -211,16 +224,19 @@ def main() -> int:
     parser.add_argument("--minutes", type=float, default=30)
     parser.add_argument("--clients", type=int, default=3, help="concurrent clients (default 3)")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--draft-cache-tokens", type=int, default=4000,
+                        help="the server's draft cache bound, small so that it fills (default 4000)")
     args = parser.parse_args()
     _, folder = resolve_model_folder(None)
     with StubServer(log_level="critical") as stub, tempfile.TemporaryDirectory() as work:
         log = Path(work) / "server.log"
         with live_server(folder, log, "--served-model-name", MODEL, "--api-key", API_KEY,
                          "--max-body-bytes", str(LIMIT), "--max-prediction-chars", "5000",
+                         "--draft-cache-tokens", str(args.draft_cache_tokens),
                          env={"FORETELL_UPSTREAM_BASE_URL": stub.base_url}) as server:
             print(f"foretell serve on {server.base} (pid {server.process.pid}), stub upstream on {stub.base_url}; "
                   f"{args.minutes:g} minutes, {args.clients} clients", flush=True)
-            code = asyncio.run(soak(server, args.minutes, args.clients, args.seed))
+            code = asyncio.run(soak(server, args.minutes, args.clients, args.seed, args.draft_cache_tokens))
             tracebacks = server.log().count("Traceback")
             print(f"tracebacks in the server log: {tracebacks}")
     return code or (1 if tracebacks else 0)

@@ -316,7 +316,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--draft-cache-tokens", type=_positive_int,
                        default=_FromEnv("FORETELL_DRAFT_CACHE_TOKENS", 1_000_000, _positive_int),
                        help="output tokens the draft cache holds, all scopes together; the oldest "
-                            "answers go first (default: 1000000, about 0.5 GB) "
+                            "answers go first (default: 1000000, about 0.25 GB) "
                             "(env: FORETELL_DRAFT_CACHE_TOKENS)")
     serve.add_argument("--max-body-bytes", type=_positive_int,
                        default=_FromEnv("FORETELL_MAX_BODY_BYTES", 4 * 1024 * 1024, _positive_int),
