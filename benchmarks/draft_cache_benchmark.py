@@ -223,7 +223,8 @@ def main() -> int:
                 reference = outputs
                 step_seconds = figures["seconds"] / figures["tokens"] if step_seconds is None else step_seconds
             figures["exact"] = sum(a == b for a, b in zip(outputs, reference))
-            figures["speedup"] = figures["tok_s"] / table_row(table, workload, "plain")["tok_s"] if mode != "plain" else 1.0
+            plain = table_row(table, workload, "plain")["tok_s"] if mode != "plain" else figures["tok_s"]
+            figures["speedup"] = figures["tok_s"] / plain
             table.append({"workload": workload, "mode": mode, "requests": len(requests), **figures})
             log(f"{workload:8s} {mode:14s} {figures['tokens']:5d} tok {figures['tok_s']:6.1f} tok/s "
                 f"passes/tok {figures['passes_per_token']:.3f} acceptance {figures['acceptance'] or 0:.2f} "

@@ -5,9 +5,10 @@
 
 - ``prediction=``: a string, a list of text parts, an ``os.PathLike`` (the file's text) or a
   ready ``{"type": "content", ...}`` dict;
-- ``prompt_lookup=`` / ``max_draft=``: sent as foretell's ``speculation`` extension to foretell
-  servers; for other servers they are dropped, with one ``ForetellWarning`` per client when they
-  asked for something (prompt lookup only changes speed, never the text);
+- ``prompt_lookup=`` / ``draft_cache=`` / ``max_draft=``: sent as foretell's ``speculation``
+  extension to foretell servers (``draft_cache=False`` keeps the request out of the server's
+  draft cache of earlier answers); for other servers they are dropped, with one ``ForetellWarning``
+  per client when they asked for something (these only change speed, never the text);
 - ``extra_body=`` / ``extra_headers=`` / ``timeout=``: passed through as in the openai package;
 - ``deadline=``: seconds the whole call may take (retries and a stream's reading included),
   overriding the client's.
@@ -83,7 +84,7 @@ class PreparedCall:
 
 
 def prepare_call(endpoint: str, required: dict, *, prediction: PredictionInput, prompt_lookup: bool | None,
-                 max_draft: int | None, stream: bool, params: dict, extra_body: dict | None,
+                 max_draft: int | None, draft_cache: bool | None, stream: bool, params: dict, extra_body: dict | None,
                  extra_headers: dict | None, timeout: Any, deadline: float | None,
                  openai_target: bool) -> PreparedCall:
     allowed = CHAT_PARAMS if endpoint == "chat" else COMPLETION_PARAMS
@@ -104,10 +105,12 @@ def prepare_call(endpoint: str, required: dict, *, prediction: PredictionInput, 
         issues = prediction_issues(str(required["model"]), body, endpoint=endpoint,
                                    openai_target=openai_target)
     speculation = None
-    if prompt_lookup is not None or max_draft is not None:
+    if prompt_lookup is not None or max_draft is not None or draft_cache is not None:
         speculation = {}
         if prompt_lookup is not None:
             speculation["prompt_lookup"] = bool(prompt_lookup)
+        if draft_cache is not None:
+            speculation["draft_cache"] = bool(draft_cache)
         if max_draft is not None:
             speculation["max_draft"] = int(max_draft)
     if endpoint == "chat":
@@ -187,7 +190,8 @@ class _AsyncResource(_Resource):
 
 class ChatCompletions(_SyncResource):
     def create(self, *, model: str, messages: list[dict], prediction: PredictionInput = None,
-               prompt_lookup: bool | None = None, max_draft: int | None = None, stream: bool = False,
+               prompt_lookup: bool | None = None, max_draft: int | None = None,
+               draft_cache: bool | None = None, stream: bool = False,
                extra_body: dict | None = None, extra_headers: dict | None = None, timeout: Any = None,
                deadline: float | None = None,
                **params: Any) -> ChatCompletion | Stream[ChatCompletionChunk]:
@@ -195,21 +199,24 @@ class ChatCompletions(_SyncResource):
         With ``stream=True`` returns a ``Stream`` of ``ChatCompletionChunk``."""
         return self._run(self._prepare(
             "chat", {"model": model, "messages": messages}, prediction=prediction,
-            prompt_lookup=prompt_lookup, max_draft=max_draft, stream=stream, params=params,
+            prompt_lookup=prompt_lookup, max_draft=max_draft, draft_cache=draft_cache,
+            stream=stream, params=params,
             extra_body=extra_body, extra_headers=extra_headers, timeout=timeout,
             deadline=deadline))
 
 
 class Completions(_SyncResource):
     def create(self, *, model: str, prompt: PromptInput, prediction: PredictionInput = None,
-               prompt_lookup: bool | None = None, max_draft: int | None = None, stream: bool = False,
+               prompt_lookup: bool | None = None, max_draft: int | None = None,
+               draft_cache: bool | None = None, stream: bool = False,
                extra_body: dict | None = None, extra_headers: dict | None = None, timeout: Any = None,
                deadline: float | None = None, **params: Any) -> Completion | Stream[Completion]:
         """POST /completions. ``params``: OpenAI's completion parameters (``COMPLETION_PARAMS``).
         With ``stream=True`` returns a ``Stream`` of ``Completion`` chunks."""
         return self._run(self._prepare(
             "completions", {"model": model, "prompt": prompt}, prediction=prediction,
-            prompt_lookup=prompt_lookup, max_draft=max_draft, stream=stream, params=params,
+            prompt_lookup=prompt_lookup, max_draft=max_draft, draft_cache=draft_cache,
+            stream=stream, params=params,
             extra_body=extra_body, extra_headers=extra_headers, timeout=timeout,
             deadline=deadline))
 
@@ -228,7 +235,7 @@ class Chat:
 
 class AsyncChatCompletions(_AsyncResource):
     async def create(self, *, model: str, messages: list[dict], prediction: PredictionInput = None,
-                     prompt_lookup: bool | None = None, max_draft: int | None = None,
+                     prompt_lookup: bool | None = None, max_draft: int | None = None, draft_cache: bool | None = None,
                      stream: bool = False, extra_body: dict | None = None,
                      extra_headers: dict | None = None, timeout: Any = None,
                      deadline: float | None = None,
@@ -236,14 +243,15 @@ class AsyncChatCompletions(_AsyncResource):
         """As ``ChatCompletions.create``; a stream is an ``AsyncStream``."""
         return await self._run(self._prepare(
             "chat", {"model": model, "messages": messages}, prediction=prediction,
-            prompt_lookup=prompt_lookup, max_draft=max_draft, stream=stream, params=params,
+            prompt_lookup=prompt_lookup, max_draft=max_draft, draft_cache=draft_cache,
+            stream=stream, params=params,
             extra_body=extra_body, extra_headers=extra_headers, timeout=timeout,
             deadline=deadline))
 
 
 class AsyncCompletions(_AsyncResource):
     async def create(self, *, model: str, prompt: PromptInput, prediction: PredictionInput = None,
-                     prompt_lookup: bool | None = None, max_draft: int | None = None,
+                     prompt_lookup: bool | None = None, max_draft: int | None = None, draft_cache: bool | None = None,
                      stream: bool = False, extra_body: dict | None = None,
                      extra_headers: dict | None = None, timeout: Any = None,
                      deadline: float | None = None,
@@ -251,7 +259,8 @@ class AsyncCompletions(_AsyncResource):
         """As ``Completions.create``; a stream is an ``AsyncStream``."""
         return await self._run(self._prepare(
             "completions", {"model": model, "prompt": prompt}, prediction=prediction,
-            prompt_lookup=prompt_lookup, max_draft=max_draft, stream=stream, params=params,
+            prompt_lookup=prompt_lookup, max_draft=max_draft, draft_cache=draft_cache,
+            stream=stream, params=params,
             extra_body=extra_body, extra_headers=extra_headers, timeout=timeout,
             deadline=deadline))
 

@@ -62,7 +62,8 @@ def plan(parsed, settings) -> RequestPlan:
 
 
 def engine_requests(parsed, plan: RequestPlan, prompt_ids: list[int], local,
-                    prompt_logprobs: int | None = None, draft_cache_scope: str | None = None) -> list[GenerationRequest]:
+                    prompt_logprobs: int | None = None,
+                    draft_cache_scope: str | None = None) -> list[GenerationRequest]:
     """The engine requests of a local generation, one per choice; APIError 400 when the
     completion cannot fit the model's context, or for ``n > 1`` in a stream. ``prompt_logprobs``:
     the prompt's log-probabilities with that many alternatives (echo); ``draft_cache_scope``: the

@@ -35,7 +35,7 @@ def plain_edit_answer(client):
     prompt = build_edit_prompt(FILE, INSTRUCTION, filename="shapes.py")
     response = client.chat.completions.create(model=MODEL, messages=prompt.messages, temperature=0,
                                               max_tokens=prompt.max_tokens, stop=prompt.stop,
-                                              prompt_lookup=False)
+                                              prompt_lookup=False, draft_cache=False)
     assert response.speculation.drafted_tokens == 0
     return response
 
