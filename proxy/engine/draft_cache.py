@@ -40,8 +40,8 @@ def suffix_cache_class():
     try:
         from arctic_inference.suffix_decoding import SuffixDecodingCache
     except ImportError as error:
-        raise ImportError("the draft cache needs arctic-inference: run scripts/setup.sh, or see the "
-                          "README's 'Draft cache' section for installing it by hand") from error
+        raise ImportError("the draft cache needs arctic-inference: scripts/setup.sh builds it against "
+                          "the installed torch (see the README's set-up paragraph)") from error
     return SuffixDecodingCache
 
 

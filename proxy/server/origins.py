@@ -1,9 +1,9 @@
 """Which draft source wrote each character of a stream: the ``report_origins`` extension.
 
 The engine reports an origin per *token* (``"prediction"``, ``"prompt_lookup"``, ``"suffix_cache"``,
-or None for the target's own), but streams *text*, and the two do not line up: the detokenizer holds back an
-unfinished character (byte-fallback tokens), stop strings hold back a possible prefix, and a
-chunk may end in the middle of a token's text. ``OriginSpans`` keeps a queue of
+or None for the target's own), but streams *text*, and the two do not line up: the detokenizer
+holds back an unfinished character (byte-fallback tokens), stop strings hold back a possible
+prefix, and a chunk may end in the middle of a token's text. ``OriginSpans`` keeps a queue of
 (origin, characters) for the tokens verified so far and takes characters from its front as text
 is released, so each chunk's text is split into runs of one origin that concatenate exactly to
 the chunk's text.

@@ -79,6 +79,14 @@ def test_a_request_can_opt_out(keyed):
     assert cache.snapshot() == before
 
 
+def test_a_draft_cache_field_that_is_not_a_boolean_is_refused(keyed):
+    response = httpx.post(keyed.base + "/v1/completions", timeout=60, headers={"authorization": "Bearer key-alice"},
+                          json={"model": "tiny", "prompt": PROMPT, "max_tokens": 4,
+                                "speculation": {"draft_cache": "yes"}})
+    assert response.status_code == 400, response.text
+    assert "draft_cache" in response.text
+
+
 def test_a_seeded_sampled_request_stays_out_so_its_seed_replays(keyed):
     cache = cache_of(keyed)
     before = cache.snapshot()
