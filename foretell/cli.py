@@ -22,7 +22,8 @@ from typing import Any, Callable
 
 from foretell import __version__
 from foretell.origin_colors import CHOICES, legend, paint_spans, paint_within, use_color
-from foretell.proxy.options import DRAFT_CACHE_SCOPES, DTYPE_CHOICES, KERNEL_CHOICES, QUANTIZE_CHOICES
+from foretell.proxy.options import (DRAFT_CACHE_SCOPES, DTYPE_CHOICES, KERNEL_CHOICES, QUANTIZE_CHOICES,
+                                    REPLICA_ROUTINGS)
 
 
 def _read_file(path: str, what: str) -> tuple[bytes, str]:
@@ -186,6 +187,50 @@ def _needs_proxy_extra(command: str):
                          ) from None
 
 
+def _non_negative_float(value: str) -> float:
+    number = float(value)
+    if number < 0:
+        raise argparse.ArgumentTypeError("must be 0 or more")
+    return number
+
+
+def _add_replica_options(command: argparse.ArgumentParser) -> None:
+    env = os.environ.get
+    group = command.add_argument_group(
+        "replicas (Ray Serve; needs the ray extra: pip install 'foretell[ray]')",
+        "Several engines behind one endpoint on the same --host/--port: an ingress routes each "
+        "request to the replica holding its prompt's prefix in cache while load is even (else "
+        "the least busy), retries a request whose replica died before answering, and answers "
+        "/health and /metrics for all replicas.")
+    group.add_argument("--replicas", type=_positive_int, metavar="N",
+                       default=_FromEnv("FORETELL_REPLICAS", None, _positive_int),
+                       help="serve N engine replicas on Ray Serve (default: one engine, no Ray) "
+                            "(env: FORETELL_REPLICAS)")
+    group.add_argument("--ray-address", metavar="ADDR", default=env("FORETELL_RAY_ADDRESS"),
+                       help="join the Ray cluster at ADDR (e.g. auto, or ray://head:10001) instead of "
+                            "starting a local Ray instance; on exit only this application is "
+                            "removed (env: FORETELL_RAY_ADDRESS)")
+    group.add_argument("--routing", type=_choice(REPLICA_ROUTINGS),
+                       default=_FromEnv("FORETELL_ROUTING", "affinity", _choice(REPLICA_ROUTINGS)),
+                       help="affinity (default: prefix-cache affinity, shedding to the least busy "
+                            "replica when one is 4 requests ahead) or round-robin (env: FORETELL_ROUTING)")
+    group.add_argument("--replica-cpus", type=_non_negative_float, metavar="C",
+                       default=_FromEnv("FORETELL_REPLICA_CPUS", None, _non_negative_float),
+                       help="CPUs reserved per replica (default: 1, or a fair share of a local "
+                            "instance's cores) (env: FORETELL_REPLICA_CPUS)")
+    group.add_argument("--replica-gpus", type=_non_negative_float, metavar="G",
+                       default=_FromEnv("FORETELL_REPLICA_GPUS", None, _non_negative_float),
+                       help="GPUs per replica (default: 1 where the cluster has GPUs, else 0) "
+                            "(env: FORETELL_REPLICA_GPUS)")
+    group.add_argument("--min-replicas", type=_positive_int, metavar="N",
+                       default=_FromEnv("FORETELL_MIN_REPLICAS", None, _positive_int),
+                       help="autoscale on ongoing requests (a replica's --max-running each), down "
+                            "to N replicas (env: FORETELL_MIN_REPLICAS)")
+    group.add_argument("--max-replicas", type=_positive_int, metavar="N",
+                       default=_FromEnv("FORETELL_MAX_REPLICAS", None, _positive_int),
+                       help="autoscale up to N replicas (env: FORETELL_MAX_REPLICAS)")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="foretell",
@@ -346,6 +391,7 @@ def build_parser() -> argparse.ArgumentParser:
                        default=_FromEnv("FORETELL_LOG_FORMAT", "text", _log_format),
                        help="text (default) or json (one object a line) on stderr "
                             "(env: FORETELL_LOG_FORMAT)")
+    _add_replica_options(serve)
 
     edit = commands.add_parser(
         "edit",
@@ -515,7 +561,17 @@ def run_serve(args: argparse.Namespace) -> int:
 
     from foretell.proxy.server.logs import configure_logging
 
+    replicas = _replica_options(args)
     configure_logging(args.log_level, args.log_format)
+    if replicas is not None:
+        try:
+            from foretell.proxy.replicas.launch import run_replicas
+        except ModuleNotFoundError as error:
+            if not (error.name or "").startswith("ray"):
+                raise
+            raise SystemExit("foretell: --replicas needs Ray Serve (the ray extra): pip install 'foretell[ray]' "
+                             "(from a checkout: bash scripts/setup.sh)") from None
+        return run_replicas(settings, replicas, args.host, args.port)
     logging.getLogger("foretell.server").info(
         "serving on http://%s:%s/v1 (loading the model; /health answers 503 until it is ready)",
         args.host, args.port)
@@ -523,6 +579,28 @@ def run_serve(args: argparse.Namespace) -> int:
     uvicorn.run(create_app(settings), host=args.host, port=args.port, log_config=None,
                 log_level=args.log_level, access_log=False)
     return 0
+
+
+def _replica_options(args: argparse.Namespace):
+    """The replica options (None without --replicas); exits naming an option that needs
+    --replicas or a combination that cannot work."""
+    given = [f"--{name.replace('_', '-')}" for name in ("ray_address", "replica_cpus", "replica_gpus",
+                                                         "min_replicas", "max_replicas")
+             if getattr(args, name) is not None]
+    if args.replicas is None:
+        if given:
+            raise SystemExit(f"foretell: {', '.join(given)} needs --replicas N")
+        return None
+    from foretell.proxy.replicas.options import ReplicaOptions
+
+    options = ReplicaOptions(replicas=args.replicas, ray_address=args.ray_address, routing=args.routing,
+                             replica_cpus=args.replica_cpus, replica_gpus=args.replica_gpus,
+                             min_replicas=args.min_replicas, max_replicas=args.max_replicas)
+    try:
+        options.check()
+    except ValueError as error:
+        raise SystemExit(f"foretell: {error}") from None
+    return options
 
 
 class FileChangedError(Exception):

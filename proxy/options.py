@@ -10,3 +10,5 @@ PRECISION_KEYS = ("dtype", "quantize", "fp32_head")
 KERNEL_CHOICES = ("auto", "triton", "reference")
 # Whose earlier answers a request drafts from (``server/draft_scope.py``): --draft-cache-scope.
 DRAFT_CACHE_SCOPES = ("key", "user", "global", "off")
+# How ``foretell serve --replicas N`` places requests (``replicas/routing.py``): --routing.
+REPLICA_ROUTINGS = ("affinity", "round-robin")

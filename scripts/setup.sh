@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Set up foretell in ./.venv: torch first (the CPU build on a machine without an NVIDIA GPU,
 # so pip never pulls a multi-GB CUDA build there), the draft cache's suffix trees built against
-# it, then foretell with its proxy, draft-cache and dev extras.
+# it, then foretell with its proxy, draft-cache, ray (--replicas) and dev extras.
 # Safe to run again: an existing venv and an installed torch are kept.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -33,8 +33,10 @@ if ! "$py" -c "import arctic_inference.suffix_decoding" 2>/dev/null; then
     CMAKE_ARGS="-DPython_EXECUTABLE=$(cd .venv/bin && pwd)/python" \
         "$py" -m pip install --quiet --disable-pip-version-check --no-build-isolation --no-deps \
         arctic-inference==0.3.0
+    # A build tool only, whose protobuf pin (<6) Ray Serve's gRPC parts outgrow.
+    "$py" -m pip uninstall --quiet --yes grpcio-tools
 fi
 
-echo "foretell setup: installing foretell[proxy,draft-cache,dev]" >&2
-"$py" -m pip install --quiet --disable-pip-version-check -e ".[proxy,draft-cache,dev]"
+echo "foretell setup: installing foretell[proxy,draft-cache,ray,dev]" >&2
+"$py" -m pip install --quiet --disable-pip-version-check -e ".[proxy,draft-cache,ray,dev]"
 echo "foretell setup: done (.venv/bin/foretell)" >&2

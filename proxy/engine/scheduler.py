@@ -86,6 +86,11 @@ class Scheduler:
         self._thread.start()
 
     @property
+    def alive(self) -> bool:
+        """Whether the engine's thread still runs (it ends only when closed, or on a bug)."""
+        return self._thread.is_alive()
+
+    @property
     def queued(self) -> int:
         return len(self._waiting)
 

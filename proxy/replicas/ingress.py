@@ -1,0 +1,197 @@
+"""The HTTP entry of ``foretell serve --replicas N``: Serve's proxy hands it every request.
+
+Generation requests for the local model go to an engine replica, with the prompt's leading
+block hashes as the router's hint (``routing.py``); requests for models routed upstream are
+answered here, by the same app a single server runs (without a model of its own), so no replica's
+engine waits on them; everything else (models, tokenize, playground) goes to any replica.
+``/health`` and ``/metrics`` answer for all replicas at once. A replica that dies before
+answering is retried on another; one that dies mid-stream ends the stream with an error event
+the client can retry on."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+
+from ray import exceptions as ray_exceptions
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+
+from foretell.proxy.replicas.asgi_call import ForwardedRequest, ResponseStart, call_app
+from foretell.proxy.replicas.cluster_metrics import merge_metrics
+from foretell.proxy.replicas.routers import replica_stats
+from foretell.proxy.replicas.routing import BLOCK_SIZE, MAX_BLOCKS, block_hashes
+from foretell.proxy.server import ServerSettings, create_app
+from foretell.proxy.server.prompts import chat_prompt, prompt_ids
+from foretell.proxy.server.responses import DONE, sse
+from foretell.proxy.server.schema import APIError, ChatCompletionRequest, CompletionRequest, validate
+
+log = logging.getLogger("foretell.ingress")
+
+GENERATION_PATHS = {"/v1/completions": CompletionRequest, "/v1/chat/completions": ChatCompletionRequest}
+# Characters of a prompt tokenised for its hint: more than MAX_BLOCKS blocks of any vocabulary.
+HINT_CHARS = 32 * BLOCK_SIZE * MAX_BLOCKS
+# What dying replicas raise to the caller of a deployment handle.
+REPLICA_GONE = (ray_exceptions.RayActorError, ray_exceptions.ActorUnavailableError)
+
+
+def _no_local_model(metrics):
+    raise RuntimeError("the local model runs on the replicas")
+
+
+def replica_failed() -> APIError:
+    return APIError(503, "the replica answering this request stopped; retry it", type="server_error",
+                    code="replica_failed", headers={"Retry-After": "1"})
+
+
+def prompt_hint(tokenizer, path: str, body: dict) -> list[int]:
+    """The block hashes of a generation request's leading prompt tokens, as a replica will
+    tokenise them; none for a request that does not validate (its replica answers the error)."""
+    try:
+        parsed = validate(GENERATION_PATHS[path], body)
+        if path == "/v1/chat/completions":
+            text = chat_prompt(tokenizer, parsed.messages)
+        else:
+            text = parsed.prompt
+            if isinstance(text, list) and text and not isinstance(text[0], int):
+                text = text[0]  # several prompts: the first one's replica takes them all
+            if isinstance(text, list):
+                return block_hashes(text)  # token ids, used as sent
+        hashes = block_hashes(prompt_ids(tokenizer, text[:HINT_CHARS], None, param="prompt"))
+        # A prompt cut short may tokenise differently at the cut: its last block is not trusted.
+        return hashes[:-1] if len(text) > HINT_CHARS else hashes
+    except (APIError, ValueError, TypeError, KeyError, IndexError) as error:
+        log.debug("no routing hint: %s", error)
+        return []
+
+
+class Ingress:
+    """A Serve deployment class (``launch.py`` applies the options and binds ``engines``, the
+    handle of the ``EngineReplica`` deployment)."""
+
+    async def __init__(self, settings: ServerSettings, engines):
+        self.settings = settings
+        self.engines = engines
+        # Upstream routes, remote verification and their checks: the single server's app.
+        self.app = create_app(settings, load_local=_no_local_model)
+        self.lifespan = self.app.router.lifespan_context(self.app)
+        await self.lifespan.__aenter__()
+        described = await engines.describe.remote()  # waits for a replica, and starts the router
+        self.model = described["model"]
+        self.tokenizer = await asyncio.to_thread(self._load_tokenizer)
+
+    def _load_tokenizer(self):
+        from transformers import AutoTokenizer
+
+        from foretell.proxy.engine.model_loader import resolve_model_folder
+
+        return AutoTokenizer.from_pretrained(str(resolve_model_folder(self.settings.model)[1]),
+                                             local_files_only=True)
+
+    async def __call__(self, request: Request) -> Response:
+        path = request.url.path
+        if path == "/health" and request.method == "GET":
+            return self._health()
+        forwarded = ForwardedRequest(
+            method=request.method, path=path, query_string=request.url.query.encode(),
+            headers=list(request.headers.raw), body=await self._read_body(request),
+            client=(request.client.host, request.client.port) if request.client else None,
+            server=(self.settings.host, 0))
+        if path == "/metrics":
+            return await self._metrics(forwarded)
+        if request.method == "POST" and path in GENERATION_PATHS:
+            body = _json(forwarded.body)
+            route = self.settings.routes.route_for(body.get("model"), self._local_names()) \
+                if isinstance(body.get("model"), str) else None
+            if route is not None and not route.local:
+                return await _respond(call_app(self.app, forwarded))
+            forwarded.block_hashes = await asyncio.to_thread(prompt_hint, self.tokenizer, path, body)
+        return await self._on_replica(forwarded)
+
+    def _local_names(self) -> set[str]:
+        return {self.model} | ({self.settings.served_model_name} if self.settings.served_model_name else set())
+
+    async def _read_body(self, request: Request) -> bytes:
+        """The body, cut one byte past the limit: the replica's guard answers 413 for it, as a
+        single server does, and a huge body is never held here whole."""
+        limit, parts, size = self.settings.max_body_bytes + 1, [], 0
+        async for chunk in request.stream():
+            parts.append(chunk)
+            size += len(chunk)
+            if size >= limit:
+                break
+        return b"".join(parts)[:limit]
+
+    async def _on_replica(self, forwarded: ForwardedRequest) -> Response:
+        """Answered by a replica; one that dies before answering is replaced by another, once."""
+        for attempt in (1, 2):
+            parts = self.engines.options(stream=True).handle.remote(forwarded)
+            try:
+                start = await parts.__anext__()
+            except REPLICA_GONE as error:
+                log.warning("a replica stopped before answering (attempt %d): %s", attempt, error)
+                continue
+            except StopAsyncIteration:
+                break
+            return _streamed(start, parts)
+        error = replica_failed()
+        return JSONResponse(error.body(), status_code=error.status, headers=error.headers)
+
+    def _health(self) -> Response:
+        stats = replica_stats()
+        body = {"status": "ok" if stats else "loading", "model": self.model, "replicas": len(stats),
+                "running": sum(s.get("running", 0) for s in stats.values()),
+                "waiting": sum(s.get("waiting", 0) for s in stats.values())}
+        return JSONResponse(body, status_code=200 if stats else 503)
+
+    async def _metrics(self, forwarded: ForwardedRequest) -> Response:
+        """This process's metrics (its checks, its upstream routes) and every replica's, each
+        labelled by replica, with the load gauges summed; the single server's key rule applies."""
+        parts = call_app(self.app, forwarded)
+        start = await parts.__anext__()
+        body = b"".join([part async for part in parts])
+        if start.status != 200:
+            return Response(body, status_code=start.status, headers=dict(
+                (k.decode(), v.decode()) for k, v in start.headers if k.lower() != b"content-length"))
+        merged = merge_metrics(self.model, body.decode(), replica_stats())
+        return Response(merged, media_type="text/plain; version=0.0.4")
+
+
+def _json(body: bytes) -> dict:
+    try:
+        value = json.loads(body)
+    except ValueError:
+        return {}
+    return value if isinstance(value, dict) else {}
+
+
+async def _respond(parts) -> Response:
+    start = await parts.__anext__()
+    return _streamed(start, parts)
+
+
+def _streamed(start: ResponseStart, parts) -> StreamingResponse:
+    """The answer as it comes: the replica's status and headers, then its chunks. A stream whose
+    replica dies ends with an error event and [DONE] (its status line is long sent)."""
+    is_stream = any(k.lower() == b"content-type" and v.startswith(b"text/event-stream") for k, v in start.headers)
+
+    async def body():
+        finished = False
+        try:
+            async for chunk in parts:
+                yield chunk
+            finished = True
+        except REPLICA_GONE as error:
+            log.warning("a replica stopped mid-answer: %s", error)
+            if is_stream:
+                yield sse(replica_failed().body())
+                yield DONE
+            finished = True
+        finally:
+            if not finished and hasattr(parts, "cancel"):
+                parts.cancel()  # the client went away: the replica stops generating for it
+
+    response = StreamingResponse(body(), status_code=start.status)
+    response.raw_headers = list(start.headers)
+    return response
