@@ -21,17 +21,13 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from foretell.proxy.replicas.asgi_call import ForwardedRequest, ResponseStart, call_app
 from foretell.proxy.replicas.cluster_metrics import merge_metrics
 from foretell.proxy.replicas.routers import replica_stats
-from foretell.proxy.replicas.routing import BLOCK_SIZE, MAX_BLOCKS, block_hashes
+from foretell.proxy.replicas.routing import GENERATION_PATHS, prompt_hint
 from foretell.proxy.server import ServerSettings, create_app
-from foretell.proxy.server.prompts import chat_prompt, prompt_ids
 from foretell.proxy.server.responses import DONE, sse
-from foretell.proxy.server.schema import APIError, ChatCompletionRequest, CompletionRequest, validate
+from foretell.proxy.server.schema import APIError
 
 log = logging.getLogger("foretell.ingress")
 
-GENERATION_PATHS = {"/v1/completions": CompletionRequest, "/v1/chat/completions": ChatCompletionRequest}
-# Characters of a prompt tokenised for its hint: more than MAX_BLOCKS blocks of any vocabulary.
-HINT_CHARS = 32 * BLOCK_SIZE * MAX_BLOCKS
 # What dying replicas raise to the caller of a deployment handle.
 REPLICA_GONE = (ray_exceptions.RayActorError, ray_exceptions.ActorUnavailableError)
 
@@ -43,27 +39,6 @@ def _no_local_model(metrics):
 def replica_failed() -> APIError:
     return APIError(503, "the replica answering this request stopped; retry it", type="server_error",
                     code="replica_failed", headers={"Retry-After": "1"})
-
-
-def prompt_hint(tokenizer, path: str, body: dict) -> list[int]:
-    """The block hashes of a generation request's leading prompt tokens, as a replica will
-    tokenise them; none for a request that does not validate (its replica answers the error)."""
-    try:
-        parsed = validate(GENERATION_PATHS[path], body)
-        if path == "/v1/chat/completions":
-            text = chat_prompt(tokenizer, parsed.messages)
-        else:
-            text = parsed.prompt
-            if isinstance(text, list) and text and not isinstance(text[0], int):
-                text = text[0]  # several prompts: the first one's replica takes them all
-            if isinstance(text, list):
-                return block_hashes(text)  # token ids, used as sent
-        hashes = block_hashes(prompt_ids(tokenizer, text[:HINT_CHARS], None, param="prompt"))
-        # A prompt cut short may tokenise differently at the cut: its last block is not trusted.
-        return hashes[:-1] if len(text) > HINT_CHARS else hashes
-    except (APIError, ValueError, TypeError, KeyError, IndexError) as error:
-        log.debug("no routing hint: %s", error)
-        return []
 
 
 class Ingress:

@@ -1,4 +1,5 @@
-"""Which replica answers a request: pure policy, no Ray (``routers.py`` plugs it into Serve).
+"""Which replica answers a request: the hint and the policy, no Ray (``routers.py`` plugs them
+into Serve).
 
 A replica's engine keeps the KV blocks of earlier prompts (its prefix cache, 16-token blocks). A
 request whose leading blocks another request already filled on replica R is cheaper on R: its
@@ -9,14 +10,25 @@ is even. A replica more than ``imbalance`` requests busier than the least busy s
 
 from __future__ import annotations
 
+import logging
 import weakref
 from collections import OrderedDict
 from collections.abc import Hashable, Sequence
+
+from foretell.proxy.server.prompts import CUT_SLACK, PREFIX_CHARS_PER_TOKEN, chat_prompt, prompt_ids
+from foretell.proxy.server.schema import APIError, ChatCompletionRequest, CompletionRequest, validate
+
+log = logging.getLogger("foretell.ingress")
 
 # The engine's KV-cache block (SpeculativeEngine's block_size): only whole blocks are reused.
 BLOCK_SIZE = 16
 # Leading blocks hashed per request: enough to tell long shared prefixes apart (1,024 tokens).
 MAX_BLOCKS = 64
+# Characters of a prompt tokenised for its hint: no token spans more than PREFIX_CHARS_PER_TOKEN
+# characters, so the cut text holds every hashed block whole, and the cut (which may change the
+# tokens beside it) lies past them.
+HINT_CHARS = PREFIX_CHARS_PER_TOKEN * (BLOCK_SIZE * MAX_BLOCKS + CUT_SLACK)
+GENERATION_PATHS = {"/v1/completions": CompletionRequest, "/v1/chat/completions": ChatCompletionRequest}
 # The Serve routers of this process (``routers.py``), where the ingress reads the replicas'
 # reported stats. Kept here, not in routers.py: Serve ships a router class to the ingress
 # pickled by value, with a private copy of its own module's globals.
@@ -32,6 +44,25 @@ def block_hashes(token_ids: Sequence[int], block_size: int = BLOCK_SIZE,
         previous = hash((previous, tuple(token_ids[start:start + block_size])))
         hashes.append(previous)
     return hashes
+
+
+def prompt_hint(tokenizer, path: str, body: dict) -> list[int]:
+    """The block hashes of a generation request's leading prompt tokens, as a replica will
+    tokenise them; none for a request that does not validate (its replica answers the error)."""
+    try:
+        parsed = validate(GENERATION_PATHS[path], body)
+        if path == "/v1/chat/completions":
+            text = chat_prompt(tokenizer, parsed.messages)
+        else:
+            text = parsed.prompt
+            if isinstance(text, list) and text and not isinstance(text[0], int):
+                text = text[0]  # a list of one prompt
+            if isinstance(text, list):
+                return block_hashes(text)  # token ids, used as sent
+        return block_hashes(prompt_ids(tokenizer, text[:HINT_CHARS], None, param="prompt"))
+    except (APIError, ValueError, TypeError, KeyError, IndexError) as error:
+        log.debug("no routing hint: %s", error)
+        return []
 
 
 class AffinityTable:

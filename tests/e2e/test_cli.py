@@ -33,6 +33,10 @@ def test_help_lists_every_option():
     (["generate", "--prompt-file", "-", "--temperature", "3"], "must lie in [0, 2]"),
     (["generate", "--prompt-file", "-", "--top-p", "0"], "must lie in (0, 1]"),
     (["generate", "--prompt-file", "-", "--model", "/no/such/model"], "cannot load model"),
+    (["serve", "--min-replicas", "2"], "--min-replicas needs --replicas N"),
+    (["serve", "--replicas", "3", "--max-replicas", "2"], "outside --min-replicas 1 and --max-replicas 2"),
+    (["serve", "--replicas", "2", "--routing", "random"], "--routing"),
+    (["serve", "--replicas", "2", "--replica-gpus", "-1"], "must be 0 or more"),
 ])
 def test_bad_input_gives_a_clear_error(args, message):
     result = run_cli(*args, stdin="hello")
