@@ -83,6 +83,7 @@ async def one_request(client, base, model, prompt, prediction, max_tokens):
         "tokens": tokens,
         "drafted": speculation["drafted_tokens"] if speculation else 0,
         "accepted": speculation["accepted_tokens"] if speculation else 0,
+        "usage": usage,
     }
 
 
