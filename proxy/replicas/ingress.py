@@ -109,6 +109,9 @@ class Ingress:
                 continue
             except StopAsyncIteration:
                 break
+            except asyncio.CancelledError:  # the client left while the replica worked
+                parts.cancel()
+                raise
             return _streamed(start, parts)
         error = replica_failed()
         return JSONResponse(error.body(), status_code=error.status, headers=error.headers)

@@ -52,8 +52,9 @@ def build_app(settings: ServerSettings, options: ReplicaOptions, cluster_cpus: f
     engine = serve.deployment(
         EngineReplica, name="EngineReplica",
         num_replicas=None if scaling else options.replicas, autoscaling_config=scaling,
-        # Its own queue and batch; Serve holds the rest at the router, for any replica.
-        max_ongoing_requests=settings.max_running + settings.max_queue,
+        # A replica takes what its batch runs; Serve holds the rest at the router, for whichever
+        # replica frees first (an engine's own queue would keep them from a replica added later).
+        max_ongoing_requests=settings.max_running,
         ray_actor_options={"num_cpus": cpus, "num_gpus": gpus, "runtime_env": runtime_env},
         request_router_config=router, health_check_period_s=5, health_check_timeout_s=30,
     ).bind(settings)
