@@ -207,7 +207,8 @@ def _add_replica_options(command: argparse.ArgumentParser) -> None:
                        help="serve N engine replicas on Ray Serve (default: one engine, no Ray) "
                             "(env: FORETELL_REPLICAS)")
     group.add_argument("--ray-address", metavar="ADDR", default=env("FORETELL_RAY_ADDRESS"),
-                       help="join the Ray cluster at ADDR (e.g. auto, or ray://head:10001) instead of "
+                       help="join the Ray cluster at ADDR (auto, or the head's HOST:PORT that `ray start "
+                            "--head` prints) instead of "
                             "starting a local Ray instance; on exit only this application is "
                             "removed (env: FORETELL_RAY_ADDRESS)")
     group.add_argument("--routing", type=_choice(REPLICA_ROUTINGS),
@@ -564,13 +565,13 @@ def run_serve(args: argparse.Namespace) -> int:
     replicas = _replica_options(args)
     configure_logging(args.log_level, args.log_format)
     if replicas is not None:
-        try:
-            from foretell.proxy.replicas.launch import run_replicas
-        except ModuleNotFoundError as error:
-            if not (error.name or "").startswith("ray"):
-                raise
+        import importlib.util
+
+        if importlib.util.find_spec("ray") is None:
             raise SystemExit("foretell: --replicas needs Ray Serve (the ray extra): pip install 'foretell[ray]' "
-                             "(from a checkout: bash scripts/setup.sh)") from None
+                             "(from a checkout: bash scripts/setup.sh)")
+        from foretell.proxy.replicas.launch import run_replicas
+
         return run_replicas(settings, replicas, args.host, args.port)
     logging.getLogger("foretell.server").info(
         "serving on http://%s:%s/v1 (loading the model; /health answers 503 until it is ready)",

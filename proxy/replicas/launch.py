@@ -11,6 +11,7 @@ import logging
 import os
 import signal
 import threading
+from pathlib import Path
 
 from foretell.proxy.replicas.options import ReplicaOptions
 from foretell.proxy.server.settings import ServerSettings
@@ -21,6 +22,8 @@ APP_NAME = "foretell"
 # The environment a replica needs from ours (precision, kernels, offline hub, threads): handed
 # over explicitly, since the workers of a joined cluster do not inherit it.
 PASSED_ENV_PREFIXES = ("FORETELL_", "HF_", "TRITON_", "OMP_", "TOKENIZERS_")
+# Where `ray start` and a local instance keep the cluster's authentication token.
+TOKEN_PATH = Path.home() / ".ray" / "auth_token"
 
 
 def passed_env() -> dict[str, str]:
@@ -68,6 +71,10 @@ def build_app(settings: ServerSettings, options: ReplicaOptions, cluster_cpus: f
 
 
 def run_replicas(settings: ServerSettings, options: ReplicaOptions, host: str, port: int) -> int:
+    if options.ray_address and "RAY_AUTH_MODE" not in os.environ and TOKEN_PATH.exists():
+        # A cluster started with `ray start` has token authentication on; Ray's driver looks for
+        # the token by itself only with --ray-address auto. Set before Ray is first imported.
+        os.environ["RAY_AUTH_MODE"] = "token"
     import ray
     from ray import serve
 
