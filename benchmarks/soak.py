@@ -46,9 +46,10 @@ from tests.e2e.test_probe import API_KEY, LIMIT, MODEL, PROBES  # noqa: E402
 from tests.proxy.server.upstream_stub import StubServer  # noqa: E402
 
 HEADERS = {"authorization": f"Bearer {API_KEY}", "content-type": "application/json"}
-# Probe rows whose answer depends on the probe's own server: the tiny model's short context, and
-# no upstream (here unknown models go to the stub upstream).
-TINY_SERVER_ONLY = {"prompt over the context", "unknown model"}
+# Probe rows whose answer depends on the probe's own server: the tiny model's short context (4,096
+# positions; the embedded model takes 32,768, so 5,000 tokens fit), and no upstream (here every
+# model not served locally, the empty name included, goes to the stub upstream).
+TINY_SERVER_ONLY = {"prompt over the context", "token ids over the context", "unknown model", "empty model"}
 UNICODE = ["Grüß dich, naïve café ✓", "日本語のテキスト、続けて", "emoji 🧪🚀 and a ZWJ 👩‍💻", "Ελληνικά και русский"]
 
 
