@@ -53,7 +53,7 @@ class Ingress:
         self.lifespan = self.app.router.lifespan_context(self.app)
         await self.lifespan.__aenter__()
         described = await engines.describe.remote()  # waits for a replica, and starts the router
-        self.model = described["model"]
+        self.model, self.block_size = described["model"], described["block_size"]
         self.tokenizer = await asyncio.to_thread(self._load_tokenizer)
 
     def _load_tokenizer(self):
@@ -81,7 +81,8 @@ class Ingress:
                 if isinstance(body.get("model"), str) else None
             if route is not None and not route.local:
                 return await _respond(call_app(self.app, forwarded))
-            forwarded.block_hashes = await asyncio.to_thread(prompt_hint, self.tokenizer, path, body)
+            forwarded.block_hashes = await asyncio.to_thread(prompt_hint, self.tokenizer, path, body,
+                                                             self.block_size)
         return await self._on_replica(forwarded)
 
     def _local_names(self) -> set[str]:

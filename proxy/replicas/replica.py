@@ -35,9 +35,10 @@ class EngineReplica:
         log.info("replica %s ready in %.1f s", self.name, time.monotonic() - started)
 
     def describe(self) -> dict:
-        """What the ingress needs to know of the model: its name and context."""
+        """What the ingress needs to know of the model: its name, and the KV-cache block the
+        routing hint hashes by."""
         local = self.server.local
-        return {"model": local.name, "context": local.context}
+        return {"model": local.name, "block_size": local.scheduler.engine.cache.block_size}
 
     async def handle(self, request: ForwardedRequest) -> AsyncIterator[ResponseStart | bytes]:
         """The app's answer to ``request``: its start, then its body chunks."""

@@ -11,6 +11,7 @@ is even. A replica more than ``imbalance`` requests busier than the least busy s
 from __future__ import annotations
 
 import logging
+import random
 import weakref
 from collections import OrderedDict
 from collections.abc import Hashable, Sequence
@@ -20,19 +21,17 @@ from foretell.proxy.server.schema import APIError, ChatCompletionRequest, Comple
 
 log = logging.getLogger("foretell.ingress")
 
-# The engine's KV-cache block (SpeculativeEngine's block_size): only whole blocks are reused.
+# The engine's KV-cache block (SpeculativeEngine's block_size; a replica reports its own): only
+# whole blocks are reused.
 BLOCK_SIZE = 16
 # Leading blocks hashed per request: enough to tell long shared prefixes apart (1,024 tokens).
 MAX_BLOCKS = 64
-# Characters of a prompt tokenised for its hint: no token spans more than PREFIX_CHARS_PER_TOKEN
-# characters, so the cut text holds every hashed block whole, and the cut (which may change the
-# tokens beside it) lies past them.
-HINT_CHARS = PREFIX_CHARS_PER_TOKEN * (BLOCK_SIZE * MAX_BLOCKS + CUT_SLACK)
 GENERATION_PATHS = {"/v1/completions": CompletionRequest, "/v1/chat/completions": ChatCompletionRequest}
 # The Serve routers of this process (``routers.py``), where the ingress reads the replicas'
 # reported stats. Kept here, not in routers.py: Serve ships a router class to the ingress
 # pickled by value, with a private copy of its own module's globals.
 LIVE_ROUTERS: weakref.WeakSet = weakref.WeakSet()
+_RNG = random.Random()
 
 
 def block_hashes(token_ids: Sequence[int], block_size: int = BLOCK_SIZE,
@@ -46,7 +45,7 @@ def block_hashes(token_ids: Sequence[int], block_size: int = BLOCK_SIZE,
     return hashes
 
 
-def prompt_hint(tokenizer, path: str, body: dict) -> list[int]:
+def prompt_hint(tokenizer, path: str, body: dict, block_size: int = BLOCK_SIZE) -> list[int]:
     """The block hashes of a generation request's leading prompt tokens, as a replica will
     tokenise them; none for a request that does not validate (its replica answers the error)."""
     try:
@@ -58,8 +57,12 @@ def prompt_hint(tokenizer, path: str, body: dict) -> list[int]:
             if isinstance(text, list) and text and not isinstance(text[0], int):
                 text = text[0]  # a list of one prompt
             if isinstance(text, list):
-                return block_hashes(text)  # token ids, used as sent
-        return block_hashes(prompt_ids(tokenizer, text[:HINT_CHARS], None, param="prompt"))
+                return block_hashes(text, block_size)  # token ids, used as sent
+        # Only the start is tokenised: no token spans more than PREFIX_CHARS_PER_TOKEN characters,
+        # so the cut text holds every hashed block whole, and the cut (which may change the tokens
+        # beside it) lies past them.
+        cut = PREFIX_CHARS_PER_TOKEN * (block_size * MAX_BLOCKS + CUT_SLACK)
+        return block_hashes(prompt_ids(tokenizer, text[:cut], None, param="prompt"), block_size)
     except (APIError, ValueError, TypeError, KeyError, IndexError) as error:
         log.debug("no routing hint: %s", error)
         return []
@@ -100,16 +103,17 @@ class AffinityTable:
 
 
 def rank_by_affinity(table: AffinityTable, hashes: Sequence[int], loads: dict[Hashable, int],
-                     imbalance: int) -> list[list[Hashable]]:
+                     imbalance: int, rng: random.Random = _RNG) -> list[list[Hashable]]:
     """Replicas in order of preference (each inner list one rank) for a request with these
     block ``hashes``, given each candidate's ongoing requests in ``loads``.
 
     The replica with the longest cached chain comes first unless it is more than ``imbalance``
     requests busier than the least busy; otherwise (no match, or overloaded) the least busy
-    first, ties going to the replica holding the fewest hashes, so new prefixes spread out."""
+    first, ties going to the replica holding the fewest hashes, so new prefixes spread out, and
+    remaining ties (short prompts, no hashes) to any one of them at random."""
     least = min(loads.values())
     owner, _ = table.match(hashes)
-    by_load = sorted(loads, key=lambda r: (loads[r], table.held.get(r, 0), str(r)))
+    by_load = sorted(loads, key=lambda r: (loads[r], table.held.get(r, 0), rng.random()))
     if owner in loads and loads[owner] - least <= imbalance:
         return [[owner], [r for r in by_load if r != owner]]
     return [[by_load[0]], by_load[1:]] if len(by_load) > 1 else [by_load]

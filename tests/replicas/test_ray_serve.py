@@ -143,9 +143,10 @@ def test_metrics_and_health_answer_for_every_replica(cluster):
     health = wait_for_replicas(cluster.base, 2, timeout=30)
     assert health["model"] == "tiny" and health["status"] == "ok"
     families = {f.name: f for f in text_string_to_metric_families(httpx.get(cluster.base + "/metrics").text)}
-    for name in ("vllm:num_requests_waiting", "vllm:num_requests_running", "vllm:kv_cache_usage_perc"):
+    for name in ("vllm:num_requests_waiting", "vllm:num_requests_running", "vllm:kv_cache_usage_perc",
+                 "foretell_num_requests_waiting", "foretell_num_requests_running", "foretell_kv_cache_usage_perc"):
         replicas = {s.labels["replica"] for s in families[name].samples}
-        assert len(replicas - {"all"}) == 2 and "all" in replicas, (name, replicas)
+        assert len(replicas - {"all", "ingress"}) == 2 and "all" in replicas, (name, replicas)
     answered = {s.labels["replica"] for s in families["foretell_requests"].samples if s.value > 0}
     assert len(answered - {"ingress"}) == 2  # both replicas answered the earlier tests' requests
     assert "ingress" in answered  # the upstream route was answered by the ingress itself
