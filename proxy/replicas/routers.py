@@ -41,7 +41,10 @@ class _ReportingRouter(RequestRouter):
         loads, unknown = {}, []
         for replica in candidates:
             count = self.replica_queue_len_cache.get(replica.replica_id)
-            (unknown.append(replica) if count is None else loads.__setitem__(replica.replica_id, count))
+            if count is None:
+                unknown.append(replica)
+            else:
+                loads[replica.replica_id] = count
         if unknown:
             for replica, count in await self._probe_queue_lens(unknown, 0):
                 loads[replica.replica_id] = count if count is not None else replica.max_ongoing_requests
