@@ -11,19 +11,17 @@ time to first token (median and p90), wall time. On a machine whose replicas sha
     python benchmarks/replicas_benchmark.py [--documents 4] [--questions 6] [--concurrency 4]
         [--kv-cache-tokens 65536 2048] [--lines 60]
 
-Each configuration starts ``foretell serve --replicas N`` (a local Ray instance) on the embedded
-model at the default precision, and stops it before the next.
+Each configuration starts ``foretell serve --replicas N --no-calibrate`` (a local Ray instance) on
+the embedded model at the default precision (tests/e2e/live_server.py), and stops it before the
+next.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
-import os
 import random
-import signal
 import statistics
-import subprocess
 import sys
 import sysconfig
 import time
@@ -31,9 +29,13 @@ from pathlib import Path
 
 import httpx
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))
 from edit_benchmark import STDLIB_FILES  # noqa: E402
-from load_benchmark import free_port, one_request, percentile  # noqa: E402
+from load_benchmark import one_request, percentile  # noqa: E402
+
+from tests.e2e.live_server import live_server  # noqa: E402
 
 CONFIGURATIONS = [(1, "affinity"), (2, "round-robin"), (2, "affinity")]
 
@@ -66,36 +68,13 @@ async def run_workload(base: str, prompts: list[str], concurrency: int, max_toke
             "prompt_tokens": prompt / len(results)}
 
 
-def start(replicas: int, routing: str, kv_cache_tokens: int, log_path: Path):
-    port = free_port()
-    command = [sys.executable, "-m", "foretell.cli", "serve", "--port", str(port), "--replicas", str(replicas),
-               "--routing", routing, "--replica-cpus", "1", "--kv-cache-tokens", str(kv_cache_tokens),
-               "--no-calibrate"]
-    with open(log_path, "w") as log:
-        process = subprocess.Popen(command, env=dict(os.environ, HF_HUB_OFFLINE="1"), stdout=log,
-                                   stderr=subprocess.STDOUT)
-    base = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 600
-    while time.monotonic() < deadline:
-        if process.poll() is not None:
-            raise SystemExit(f"foretell serve exited; see {log_path}")
-        try:
-            health = httpx.get(base + "/health", timeout=2)
-            if health.status_code == 200 and health.json().get("replicas") == replicas:
-                return process, base
-        except httpx.TransportError:
-            pass
+def wait_for_replicas(base: str, replicas: int, timeout: float = 120) -> None:
+    """Until every replica has reported to the router (Serve answers once they are running)."""
+    deadline = time.monotonic() + timeout
+    while httpx.get(base + "/health", timeout=10).json().get("replicas") != replicas:
+        if time.monotonic() > deadline:
+            raise SystemExit(f"not {replicas} replicas after {timeout:.0f} s")
         time.sleep(1)
-    process.kill()
-    raise SystemExit(f"foretell serve did not become healthy; see {log_path}")
-
-
-def stop(process) -> None:
-    process.send_signal(signal.SIGTERM)
-    try:
-        process.wait(timeout=120)
-    except subprocess.TimeoutExpired:
-        process.kill()
 
 
 def main() -> int:
@@ -116,11 +95,11 @@ def main() -> int:
         for replicas, routing in CONFIGURATIONS:
             label = f"{replicas} replica{'s' if replicas > 1 else ''}, {routing}"
             print(f"# {label}, KV cache {kv} tokens: starting", file=sys.stderr, flush=True)
-            process, base = start(replicas, routing, kv, Path(args.log_dir) / f"replicas-{replicas}-{routing}-{kv}.log")
-            try:
-                result = asyncio.run(run_workload(base, prompts, args.concurrency, args.max_tokens))
-            finally:
-                stop(process)
+            log_path = Path(args.log_dir) / f"replicas-{replicas}-{routing}-{kv}.log"
+            with live_server(None, log_path, "--replicas", str(replicas), "--routing", routing, "--replica-cpus",
+                             "1", "--kv-cache-tokens", str(kv), timeout=600) as server:
+                wait_for_replicas(server.base, replicas)
+                result = asyncio.run(run_workload(server.base, prompts, args.concurrency, args.max_tokens))
             rows.append((kv, label, result))
             print(f"# {label}, KV {kv}: cached share {result['share']:.2f}, TTFT p50 {result['ttft_p50']:.2f} s",
                   file=sys.stderr, flush=True)

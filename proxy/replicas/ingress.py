@@ -15,6 +15,7 @@ import json
 import logging
 
 from ray import exceptions as ray_exceptions
+from fastapi import APIRouter
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
@@ -23,6 +24,7 @@ from foretell.proxy.replicas.cluster_metrics import merge_metrics
 from foretell.proxy.replicas.routers import replica_stats
 from foretell.proxy.replicas.routing import GENERATION_PATHS, prompt_hint
 from foretell.proxy.server import ServerSettings, create_app
+from foretell.proxy.server.guard import error_response
 from foretell.proxy.server.responses import DONE, sse
 from foretell.proxy.server.schema import APIError
 
@@ -48,8 +50,9 @@ class Ingress:
     async def __init__(self, settings: ServerSettings, engines):
         self.settings = settings
         self.engines = engines
-        # Upstream routes, remote verification and their checks: the single server's app.
-        self.app = create_app(settings, load_local=_no_local_model)
+        # Upstream routes, remote verification, /health and /metrics for all replicas, behind the
+        # single server's checks (Host, key, body), access log and error shapes: its app.
+        self.app = create_app(settings, load_local=_no_local_model, first_routers=[self._status_router()])
         self.lifespan = self.app.router.lifespan_context(self.app)
         await self.lifespan.__aenter__()
         described = await engines.describe.remote()  # waits for a replica, and starts the router
@@ -64,17 +67,21 @@ class Ingress:
         return AutoTokenizer.from_pretrained(str(resolve_model_folder(self.settings.model)[1]),
                                              local_files_only=True)
 
+    def _status_router(self) -> APIRouter:
+        router = APIRouter()
+        router.add_api_route("/health", self._health, methods=["GET"])
+        router.add_api_route("/metrics", self._metrics, methods=["GET"])
+        return router
+
     async def __call__(self, request: Request) -> Response:
         path = request.url.path
-        if path == "/health" and request.method == "GET":
-            return self._health()
         forwarded = ForwardedRequest(
             method=request.method, path=path, query_string=request.url.query.encode(),
             headers=list(request.headers.raw), body=await self._read_body(request),
             client=(request.client.host, request.client.port) if request.client else None,
             server=(self.settings.host, 0))
-        if path == "/metrics":
-            return await self._metrics(forwarded)
+        if path in ("/health", "/metrics"):
+            return await _respond(call_app(self.app, forwarded))
         if request.method == "POST" and path in GENERATION_PATHS:
             body = _json(forwarded.body)
             route = self.settings.routes.route_for(body.get("model"), self._local_names()) \
@@ -114,26 +121,19 @@ class Ingress:
                 parts.cancel()
                 raise
             return _streamed(start, parts)
-        error = replica_failed()
-        return JSONResponse(error.body(), status_code=error.status, headers=error.headers)
+        return error_response(replica_failed())
 
-    def _health(self) -> Response:
+    async def _health(self) -> Response:
         stats = replica_stats()
         body = {"status": "ok" if stats else "loading", "model": self.model, "replicas": len(stats),
                 "running": sum(s.get("running", 0) for s in stats.values()),
                 "waiting": sum(s.get("waiting", 0) for s in stats.values())}
         return JSONResponse(body, status_code=200 if stats else 503)
 
-    async def _metrics(self, forwarded: ForwardedRequest) -> Response:
-        """This process's metrics (its checks, its upstream routes) and every replica's, each
-        labelled by replica, with the load gauges summed; the single server's key rule applies."""
-        parts = call_app(self.app, forwarded)
-        start = await parts.__anext__()
-        body = b"".join([part async for part in parts])
-        if start.status != 200:
-            return Response(body, status_code=start.status, headers=dict(
-                (k.decode(), v.decode()) for k, v in start.headers if k.lower() != b"content-length"))
-        merged = merge_metrics(self.model, body.decode(), replica_stats())
+    async def _metrics(self) -> Response:
+        """This process's metrics (its upstream routes, its checks) and every replica's, each
+        labelled by replica, with the load gauges summed."""
+        merged = merge_metrics(self.model, self.app.state.foretell.metrics.render().decode(), replica_stats())
         return Response(merged, media_type="text/plain; version=0.0.4")
 
 

@@ -39,12 +39,12 @@ def build_app(settings: ServerSettings, options: ReplicaOptions, cluster_cpus: f
     from foretell.proxy.replicas.replica import EngineReplica
     from foretell.proxy.replicas.routers import ROUTERS
 
+    scaling = options.autoscaling()
+    most = scaling["max_replicas"] if scaling else options.replicas
     gpus = options.replica_gpus if options.replica_gpus is not None else (1 if cluster_gpus >= 1 else 0)
-    most = (options.autoscaling() or {}).get("max_replicas", options.replicas)
     cpus = options.replica_cpus if options.replica_cpus is not None else \
         (1 if gpus or options.ray_address else min(1.0, round(cluster_cpus / most, 2)))
     runtime_env = {"env_vars": passed_env()}
-    scaling = options.autoscaling()
     if scaling:
         # A replica batches max_running sequences well: scale out when they are all busy.
         scaling["target_ongoing_requests"] = settings.max_running

@@ -28,9 +28,10 @@ from foretell.proxy.server.state import ServerState
 __all__ = ["LocalModel", "ServerSettings", "create_app"]
 
 
-def create_app(settings: ServerSettings, load_local=None) -> FastAPI:
+def create_app(settings: ServerSettings, load_local=None, first_routers=()) -> FastAPI:
     """Build the app. ``load_local(metrics)`` returns a ``LocalModel`` (run on a background
-    thread; by default the model of ``settings``)."""
+    thread; by default the model of ``settings``). ``first_routers`` answer their paths before
+    the server's own (the replicas' ingress answers /health and /metrics for all replicas)."""
     server = ServerState(settings)
 
     @contextlib.asynccontextmanager
@@ -48,6 +49,6 @@ def create_app(settings: ServerSettings, load_local=None) -> FastAPI:
     app.add_exception_handler(HTTPException, http_error_handler)
     app.add_middleware(GuardMiddleware, settings=settings, metrics=server.metrics)
     app.add_middleware(AccessLogMiddleware)  # outside the guard: one foretell.access line per request
-    for router in ROUTERS:
+    for router in (*first_routers, *ROUTERS):
         app.include_router(router)
     return app

@@ -150,6 +150,10 @@ def test_metrics_and_health_answer_for_every_replica(cluster):
     answered = {s.labels["replica"] for s in families["foretell_requests"].samples if s.value > 0}
     assert len(answered - {"ingress"}) == 2  # both replicas answered the earlier tests' requests
     assert "ingress" in answered  # the upstream route was answered by the ingress itself
+    # The single server's checks hold for the cluster's own answers too.
+    for path in ("/health", "/metrics"):
+        foreign = httpx.get(cluster.base + path, headers={"host": "attacker.example"})
+        assert foreign.status_code == 421 and foreign.json()["error"]["code"] == "host_not_allowed"
 
 
 def test_a_killed_replica_costs_no_hang_and_no_wrong_text_and_comes_back(cluster, tiny_server):
