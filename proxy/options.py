@@ -3,7 +3,7 @@ file and the engine (``engine/precision.py``). Importable without torch, as the 
 and the routing configuration are."""
 
 DTYPE_CHOICES = ("auto", "float32", "bfloat16", "float16")
-QUANTIZE_CHOICES = ("none", "int8", "int4")
+QUANTIZE_CHOICES = ("auto", "none", "int8", "int4")
 # Where a local route of the configuration file may set them, as on the command line.
 PRECISION_KEYS = ("dtype", "quantize", "fp32_head")
 # Which implementation runs the engine's kernels (``engine/kernel_choice.py``): --kernels.

@@ -40,6 +40,7 @@ from foretell.proxy.engine.draft_length import (
     PassCostModel,
     choose_step_drafts,
 )
+from foretell.proxy.engine.invariant_linear import Int8DynamicLinear
 from foretell.proxy.engine.kernel_choice import AttentionShape, choose_kernels
 from foretell.proxy.engine.kv_cache import FULL, SLIDING, CacheFullError, PagedKVCache, SequenceBlocks
 from foretell.proxy.engine.precision import default_fp32_head, describe, head_rows, rescore_in_fp32
@@ -96,13 +97,16 @@ class SpeculativeEngine:
         self.model = model
         self.dtype = model.get_input_embeddings().weight.dtype
         self.quantization = getattr(model, "foretell_quantization", "none")
+        # int8 x int8 linears (invariant_linear.py): every row's bits independent of the pass, so the
+        # attention is made so too (invariant_attention.py).
+        self.batch_invariant = bool(getattr(model, "foretell_batch_invariant", False))
         rescorable = head_rows(model.get_output_embeddings()) is not None
         if fp32_head is None:
             fp32_head = default_fp32_head(self.dtype, self.quantization) and rescorable
         elif fp32_head and not rescorable:
             raise ValueError("the fp32 head reads the head's weight rows: it needs an unquantized "
                              "or int8 output head")
-        self.fp32_head = fp32_head and self.dtype != torch.float32
+        self.fp32_head = fp32_head and (self.dtype != torch.float32 or self.quantization != "none")
         self.tokenizer = tokenizer
         self.device = next(model.parameters()).device
         self.prefill_chunk = prefill_chunk
@@ -121,6 +125,7 @@ class SpeculativeEngine:
         self.kernels = choose_kernels(kernels, self.device, self.dtype, AttentionShape(
             self.cache.heads, self.cache.kv_heads, self.cache.head_dim, block_size, self.cache.window))
         self.cache.attention_kernel = self.kernels.paged_attention
+        self.cache.batch_invariant = self.batch_invariant and self.kernels.paged_attention is None
         self.prompt_logprob_cache = PromptLogprobCache(max_positions=kv_cache_tokens)
         self.draft_cache = draft_cache
 
@@ -383,6 +388,8 @@ def _output_head(model, fp32_head: bool):
     - a bf16/fp16 head with ``fp32_head``: the head runs at its own precision and the tokens
       that could win each row are scored again in float32 (``rescore_in_fp32``), from its
       weight rows (an unquantized or int8 head).
+    - an int8 x int8 head (``invariant_linear.py``) with ``fp32_head``: the same, within the proven
+      bound of its integer product (weights' and activations' rounding both).
     - anything else: the head's own forward, upcast."""
     head = model.get_output_embeddings()
     if head is None:
@@ -393,7 +400,12 @@ def _output_head(model, fp32_head: bool):
 
     def forward(hidden: torch.Tensor) -> torch.Tensor:  # [..., d] -> [..., V]
         rows = hidden.reshape(-1, hidden.shape[-1])  # [n, d]
-        if plain and head.weight.dtype == torch.float32 and 1 < rows.shape[0] <= VOCABULARY_MAJOR_MAX_ROWS:
+        if isinstance(head, Int8DynamicLinear):
+            logits = head.product(rows)  # [n, V] float32
+            if rows_of is not None:
+                logits = rescore_in_fp32(rows, rows_of, head.bias, logits,
+                                         head.error_bound(rows, head.last_residual_norm))
+        elif plain and head.weight.dtype == torch.float32 and 1 < rows.shape[0] <= VOCABULARY_MAJOR_MAX_ROWS:
             logits = (head.weight @ rows.t()).t().contiguous()  # [V, n] -> [n, V]
             if head.bias is not None:
                 logits = logits + head.bias

@@ -40,6 +40,7 @@ import torch
 import torch.nn.functional as F
 
 from foretell.kernels.paged_attention import block_q_for, query_tiles
+from foretell.proxy.engine.invariant_attention import fixed_split_attention, key_span
 
 FULL, SLIDING = "full_attention", "sliding_attention"
 ATTENTION_NAME = "foretell_paged"
@@ -139,6 +140,9 @@ class PagedKVCache:
         self.heads, self.kv_heads, self.head_dim = config.num_attention_heads, heads, head_dim
         # The ragged paged attention kernel, or None: the per-sequence loop (set by the engine).
         self.attention_kernel: Callable | None = None
+        # The loop attends in a fixed order (invariant_attention.py), set by the engine for a
+        # batch-invariant precision.
+        self.batch_invariant = False
         self.max_tokens = max_tokens
         blocks = {FULL: math.ceil(max_tokens / block_size)}
         if self.window is not None:
@@ -343,6 +347,18 @@ class PagedKVCache:
                     continue
                 slots = self._slots(g, seq, first, end)
                 write[g].append(slots[start - first:])
+                if self.batch_invariant:  # whole chunks; the keys outside [first, end) masked
+                    span_start, span_stop = key_span(first, end)
+                    padded = torch.zeros(span_stop - span_start, dtype=slots.dtype, device=self.device)
+                    padded[first - span_start:end - span_start] = slots
+                    slots, first = padded, span_start
+                    k_pos = torch.arange(span_start, span_stop, device=self.device)
+                    visible = (k_pos.view(1, -1) <= q_pos.view(-1, 1)) & (k_pos.view(1, -1) < end)
+                    if g == SLIDING:
+                        visible &= k_pos.view(1, -1) > q_pos.view(-1, 1) - self.window
+                    read[g].append(slots)
+                    masks[g].append(visible)
+                    continue
                 read[g].append(slots)
                 k_pos = torch.arange(first, end, device=self.device)
                 visible = k_pos.view(1, -1) <= q_pos.view(-1, 1)  # [q, keys]
@@ -419,6 +435,13 @@ def paged_attention(module, query, key, value, attention_mask, dropout=0.0, scal
             out=out[0])  # [T, heads, head_dim] views of [1, heads, T, head_dim] and the output
         return out, None
     starts = layout.query_starts
+    if cache.batch_invariant:
+        scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+        for i, slots in enumerate(layout.read_slots[group]):
+            out[0, starts[i]:starts[i + 1]] = fixed_split_attention(
+                query[0, :, starts[i]:starts[i + 1]], keys.index_select(1, slots), values.index_select(1, slots),
+                layout.masks[group][i], scale)  # [q, heads, head_dim]
+        return out, None
     for i, slots in enumerate(layout.read_slots[group]):
         q = query[:, :, starts[i]:starts[i + 1]]  # [1, heads, q, head_dim]
         k = keys.index_select(1, slots)  # [kv_heads, keys, head_dim]

@@ -192,22 +192,31 @@ def load_model(model: str | None = None, device: str | None = None, dtype=None,
     """Load the target model and tokenizer (converting and caching a GGUF file on first use).
 
     ``dtype``: a torch dtype or a ``--dtype`` name; None is float32 (the exact mode), ``"auto"``
-    chooses for the device (``precision.resolve_dtype``). A GGUF file is converted once to a
-    float32 cache and cast on loading, so every dtype shares one conversion. ``quantize``:
-    ``none``, ``int8`` or ``int4`` weight-only, the output head too (but an int4 head when
-    ``fp32_head`` asks to rescore it: ``precision.quantize_weights``)."""
+    chooses for the device and the quantization (``precision.resolve_dtype``). A GGUF file is
+    converted once to a float32 cache and cast on loading, so every dtype shares one conversion.
+    ``quantize``: ``none``, ``int8`` (int8 x int8 where FBGEMM runs, else weight-only), ``int4``
+    weight-only, the output head too (but an int4 head when ``fp32_head`` asks to rescore it:
+    ``precision.quantize_weights``), or ``auto``: with ``dtype="auto"`` measured
+    (``precision.resolve_quantize``), beside a dtype asked for by name none."""
     import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-    from foretell.proxy.engine.precision import check_quantize, describe, quantize_weights, resolve_dtype
+    from foretell.proxy.engine.precision import (
+        check_quantize, describe, quantize_weights, resolve_dtype, resolve_quantize)
 
     check_quantize(quantize)  # before the load, not after it
     name, folder = resolve_model_folder(model)
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    if quantize == "auto" and not (isinstance(dtype, str) and dtype == "auto"):
+        quantize = "none"  # a dtype asked for by name is that dtype's own precision (float32: exact)
+    elif quantize == "auto":
+        config = AutoConfig.from_pretrained(str(folder), local_files_only=True)
+        config = getattr(config, "text_config", None) or config
+        quantize = resolve_quantize(quantize, device, (config.vocab_size, config.hidden_size))
     if dtype is None:
         dtype = torch.float32
     elif not isinstance(dtype, torch.dtype):
-        dtype = resolve_dtype(dtype, device)
+        dtype = resolve_dtype(dtype, device, quantize)
     started = time.perf_counter()
     tokenizer = AutoTokenizer.from_pretrained(str(folder), local_files_only=True)
     target = AutoModelForCausalLM.from_pretrained(str(folder), dtype=dtype, local_files_only=True).to(device)

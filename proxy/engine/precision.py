@@ -1,18 +1,24 @@
-"""The target model's numeric precision: its dtype, an fp32 output head, weight-only quantization.
+"""The target model's numeric precision: its dtype, an fp32 output head, quantization.
 
 Decoding reads every weight once per pass, so the bytes per weight set the speed of plain
 decoding: fp32 is the slowest choice, bf16 halves the bytes, int8 and int4 weights halve them
 again. What each choice promises (README, "What 'the same text' means"):
 
 - ``float32``: the engine's text equals plain greedy decoding (``generate(do_sample=False)``)
-  token for token, as it always has.
-- ``bfloat16`` / ``float16`` / quantized weights: speculative text equals the plain decoding *of the
-  same engine at the same precision*, except where the top two logits are within that
-  precision's rounding (a batched verify rounds differently from a one-token pass).
+  token for token, but at near ties.
+- ``int8`` with FBGEMM (x86): int8 weights times int8 activations in exact integer sums
+  (``invariant_linear.py``), the output head rescored in float32 within a proven bound, and the
+  attention's reductions in a fixed order (``invariant_attention.py``): a row's bits do not
+  depend on the pass it is in, so speculative text equals this precision's plain text exactly,
+  whatever else runs or is cached.
+- ``bfloat16`` / ``float16`` / int4 (and int8 without FBGEMM): speculative text equals the plain
+  decoding *of the same engine at the same precision*, except where the top two logits are within
+  that precision's rounding (a batched verify rounds differently from a one-token pass).
 
-``auto`` picks bf16 on CUDA, and on a CPU where oneDNN has native bf16 kernels (AVX512-BF16 or
-AMX; measured on one: 15.7 against 9.9 tok/s plain, 147-196 against 50-55 with predictions,
-docs/benchmarks.md); float32 elsewhere.
+``--quantize auto`` (the default) is int8 on a CPU where FBGEMM's int8 kernel measures faster
+than float32 on the model's output head (timed once per machine and cached), else none; ``--dtype
+auto`` is then float32 for what stays in floating point, else bf16 on CUDA and on a CPU with native
+bf16 (AVX512-BF16 or AMX), else float32.
 """
 
 from __future__ import annotations
@@ -30,6 +36,9 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 # divide stay unquantized.
 INT4_GROUP_SIZE = 128
 INT8_ALIGNMENT = 16
+# Projections that read the same input in the decoder families served (Llama, Gemma, Qwen,
+# Mistral, Phi-3 have them under these names).
+SHARED_INPUT_PROJECTIONS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
 
 
 def cpu_has_native_bf16() -> bool:
@@ -40,9 +49,12 @@ def cpu_has_native_bf16() -> bool:
         return False
 
 
-def resolve_dtype(name: str | None, device: str | torch.device) -> torch.dtype:
-    """The dtype named by ``--dtype`` (``auto`` or None: chosen for ``device``)."""
+def resolve_dtype(name: str | None, device: str | torch.device, quantize: str = "none") -> torch.dtype:
+    """The dtype named by ``--dtype`` (``auto`` or None: chosen for ``device`` and the resolved
+    ``quantize``: float32 beside int8 on a CPU, whose integer kernels take float32 rows)."""
     if name in (None, "", "auto"):
+        if quantize == "int8" and torch.device(device).type == "cpu":
+            return torch.float32
         if torch.device(device).type == "cuda" or cpu_has_native_bf16():
             return torch.bfloat16
         return torch.float32
@@ -52,20 +64,20 @@ def resolve_dtype(name: str | None, device: str | torch.device) -> torch.dtype:
 
 
 def default_fp32_head(dtype: torch.dtype, quantize: str = "none") -> bool:
-    """The fp32 head is on by default over a bf16/fp16 body whose head can be rescored: an
-    unquantized or int8 head, where a pass costs 1.01-1.10x (docs/benchmarks.md). An int4 head
-    cannot (torchao packs its rows); keeping it unquantized instead costs a quarter of int4's
-    plain speed here, so with int4 it is off unless asked for."""
-    return dtype != torch.float32 and quantize in ("none", "int8")
+    """The fp32 head is on by default over an approximate head that can be rescored: an int8
+    head, or an unquantized bf16/fp16 one, where a pass costs 1.01-1.10x (docs/benchmarks.md).
+    An int4 head cannot (torchao packs its rows); keeping it unquantized instead costs a quarter
+    of int4's plain speed here, so with int4 it is off unless asked for."""
+    return quantize == "int8" or (dtype != torch.float32 and quantize == "none")
 
 
 def describe(dtype: torch.dtype, quantize: str = "none", fp32_head: bool = False) -> str:
     """A short label of a precision, as logs, /health and the calibration key show it:
-    ``bfloat16``, ``bfloat16+fp32-head``, ``bfloat16/int4``."""
+    ``bfloat16``, ``bfloat16+fp32-head``, ``bfloat16/int4``, ``float32/int8+fp32-head``."""
     label = str(dtype).removeprefix("torch.")
     if quantize != "none":
         label += f"/{quantize}"
-    if fp32_head and dtype != torch.float32:
+    if fp32_head and (dtype != torch.float32 or quantize != "none"):
         label += "+fp32-head"
     return label
 
@@ -140,13 +152,28 @@ def check_quantize(mode: str) -> None:
         raise ValueError(f"quantize must be one of {', '.join(QUANTIZE_CHOICES)}; got {mode!r}")
 
 
+def resolve_quantize(mode: str | None, device: str | torch.device, head_shape: tuple[int, int]) -> str:
+    """The quantization named by ``--quantize``; ``auto`` (or None): ``int8`` on a CPU where
+    FBGEMM's int8 x int8 kernel measures faster than float32 on the output head's (out, in)
+    product, the step's largest (``kernel_timing.py``: timed once per machine); ``none`` elsewhere."""
+    from foretell.proxy.engine.invariant_linear import fbgemm_available
+    from foretell.proxy.engine.kernel_timing import int8_beats_float32
+
+    if mode not in (None, "", "auto"):
+        check_quantize(mode)
+        return mode
+    if torch.device(device).type != "cpu" or not fbgemm_available():
+        return "none"
+    return "int8" if int8_beats_float32([head_shape]) else "none"
+
+
 def quantize_weights(model, mode: str, fp32_head: bool = False) -> int:
     """Quantize the weights of ``model``'s linear layers in place, the output head included,
     except an int4 head when ``fp32_head`` asks to rescore it (only an unquantized or int8 head's
     rows can be read back). Returns how many layers were quantized. Embeddings stay as they are:
     a lookup reads one row per token, not the whole table."""
     check_quantize(mode)
-    if mode == "none":
+    if mode in ("none", "auto"):  # auto is resolved before (resolve_quantize)
         return 0
     head = model.get_output_embeddings()
     keep_head = fp32_head and mode == "int4"
@@ -161,12 +188,23 @@ def quantize_weights(model, mode: str, fp32_head: bool = False) -> int:
 
     model.foretell_quantization = mode  # the engine reports it (SpeculativeEngine.precision)
     if mode == "int8":
+        from foretell.proxy.engine.invariant_linear import Int8DynamicLinear, fbgemm_available, share_inputs
+
+        integer = fbgemm_available()  # int8 activations too (batch invariant); else weight-only
         count = 0
+        for parent in list(model.modules()) if integer else []:
+            for names in SHARED_INPUT_PROJECTIONS:  # one quantization of their common input
+                if share_inputs(parent, names):
+                    count += len(names)
         for parent in list(model.modules()):
             for name, child in list(parent.named_children()):
-                if wanted(child):
+                if integer and type(child) is torch.nn.Linear:
+                    setattr(parent, name, Int8DynamicLinear(child, keep_float_rows=child is head))
+                    count += 1
+                elif wanted(child):
                     setattr(parent, name, Int8WeightOnlyLinear(child))
                     count += 1
+        model.foretell_batch_invariant = integer
         return count
     from torchao.quantization import quantize_
 
@@ -190,39 +228,67 @@ _CANDIDATES = 4  # looked for with topk; a row with more is searched in full
 
 
 def head_rows(head) -> Callable[[torch.Tensor], torch.Tensor] | None:
-    """For an output head whose weights can be read back (a plain linear layer, or int8), a
-    function from row indices [c] to those weight rows in float32 [c, d]; else None."""
+    """For an output head whose weights can be read back (a plain linear layer, int8, or int8
+    with int8 activations keeping its float rows), a function from row indices [c] to those
+    weight rows in float32 [c, d]; else None."""
+    from foretell.proxy.engine.invariant_linear import Int8DynamicLinear
+
     if isinstance(head, Int8WeightOnlyLinear):
+        return head.float_rows
+    if isinstance(head, Int8DynamicLinear) and head.float_weight is not None:
         return head.float_rows
     if type(head) is torch.nn.Linear and type(head.weight) is torch.nn.Parameter:
         return lambda rows: head.weight[rows].float()
     return None
 
 
-def rescore_in_fp32(hidden: torch.Tensor, rows_of: Callable[[torch.Tensor], torch.Tensor],
-                    bias: torch.Tensor | None, logits: torch.Tensor) -> torch.Tensor:
-    """Float32 logits from a low-precision head: ``logits`` [n, V] (bf16/fp16, from ``hidden``
-    [n, d] and the head's weights, whose rows ``rows_of`` gives in float32) upcast, and every
-    token that could hold its row's largest logit scored again as a float32 product of the same
-    inputs.
+class RoundingBound:
+    """The error bound of a bf16/fp16 head: its rounding of values near the row's top,
+    ``|top| * relative + absolute``, the same for every token that can come near the top."""
 
-    The largest float32 product is then exact: if token j holds it, its low-precision logit is
-    at least its exact value minus the error bound b, which is at least any other token's exact
-    value minus b, hence at least the row's largest low-precision logit minus 2b; every token
-    above that line is rescored. Greedy tokens follow float32 logits instead of bf16 ones, which
-    round to 1/8 at |logit| ~ 20 and so tie at the top, where the first index would win. The
-    other tokens keep their upcast low-precision logits (the tail of a sampled distribution)."""
+    def __init__(self, logits: torch.Tensor, top: torch.Tensor):
+        self.per_row = top.abs() * _RELATIVE_ERROR[logits.dtype] + _ABSOLUTE_ERROR  # [n, 1]
+
+    def largest(self) -> torch.Tensor:
+        return self.per_row
+
+    def at(self, rows: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+        return self.per_row[rows, 0]
+
+
+def rescore_in_fp32(hidden: torch.Tensor, rows_of: Callable[[torch.Tensor], torch.Tensor],
+                    bias: torch.Tensor | None, logits: torch.Tensor, bound=None) -> torch.Tensor:
+    """Float32 logits from an approximate head: ``logits`` [n, V] (bf16/fp16, or int8's float32
+    approximation, from ``hidden`` [n, d] and the head's weights, whose rows ``rows_of`` gives in
+    float32) upcast, and every token that could hold its row's largest float32 logit scored
+    again as a float32 product of the same inputs (plus the bias).
+
+    ``bound`` has ``largest()`` [n, 1] and ``at(rows, tokens)`` [c]: a proven bound E_j on
+    |logits_j - float32 logit_j| (None: ``RoundingBound``, a bf16/fp16 head's rounding). If
+    token j holds the largest float32 logit and t the largest approximate one, then
+    logits_j >= f32_j - E_j >= f32_t - E_j >= logits_t - E_t - E_j: every token that meets
+    ``logits_j + E_j >= logits_t - E_t`` is rescored (found among those above
+    ``logits_t - E_t - max E``), so the largest float32 product is exact. Greedy tokens then follow
+    float32 products of the hidden state, not the head's rounding (bf16 rounds to 1/8 at
+    |logit| ~ 20 and so ties at the top, where the first index would win). The other tokens keep
+    their approximate logits (the tail of a sampled distribution). Float32 ``logits`` (a fresh
+    product, as the int8 head's) are rescored in place rather than copied: 1 MB a row."""
     scores = logits.float()  # [n, V]
-    best = scores.topk(_CANDIDATES, dim=-1)  # values, indices [n, 4]
-    top = best.values[:, :1]  # [n, 1]
-    line = top - 2 * (top.abs() * _RELATIVE_ERROR[logits.dtype] + _ABSOLUTE_ERROR)  # [n, 1]
+    best = scores.topk(min(_CANDIDATES, scores.shape[-1]), dim=-1)  # values, indices [n, 4]
+    top, leader = best.values[:, :1], best.indices[:, :1]  # [n, 1]
+    bound = bound if bound is not None else RoundingBound(logits, top)
+    rows_n = torch.arange(scores.shape[0], device=scores.device)
+    floor = top - bound.at(rows_n, leader[:, 0])[:, None]  # [n, 1]: logits_t - E_t
+    line = floor - bound.largest()  # [n, 1]
     above = best.values >= line  # [n, 4]
-    rows = torch.arange(scores.shape[0], device=scores.device)[:, None].expand_as(above)[above]  # [c]
+    rows = rows_n[:, None].expand_as(above)[above]  # [c]
     cols = best.indices[above]  # [c]
     crowded = above[:, -1].nonzero()[:, 0]  # rows with more candidates than topk returned
-    if crowded.numel():  # rare: find them all (thousands in a flat row)
+    if crowded.numel():  # find them all (thousands in a flat row)
         more_rows, more_cols = torch.nonzero(scores[crowded] >= line[crowded], as_tuple=True)
         rows, cols = torch.cat([rows, crowded[more_rows]]), torch.cat([cols, more_cols])
+    keep = scores[rows, cols] + bound.at(rows, cols) >= floor[rows, 0]  # the exact test per token
+    rows, cols = rows[keep], cols[keep]
     for start in range(0, rows.numel(), _RESCORE_CHUNK):
         r, c = rows[start:start + _RESCORE_CHUNK], cols[start:start + _RESCORE_CHUNK]
         exact = (hidden[r].float() * rows_of(c)).sum(dim=-1)  # [chunk]

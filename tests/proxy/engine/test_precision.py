@@ -96,6 +96,105 @@ def test_a_flat_row_is_searched_in_full():
     assert scores.argmax(dim=-1).tolist() == [7777, 7777]
 
 
+def _near_twin_case(bound: float, dtype=torch.float32):
+    """A head of 3 tokens over hidden = e_0, so that token j's float32 logit is weight[j, 0]:
+    token 0 leads the approximate logits, token 1 is the float32 winner sitting 1.5 bounds below
+    it, each approximation within the bound (0.75 of it) of its float32 value."""
+    hidden = torch.zeros(1, 4)
+    hidden[0, 0] = 1.0
+    leader = 16.0
+    twin = leader - 1.5 * bound
+    weight = torch.zeros(3, 4)
+    weight[0, 0] = leader - 0.75 * bound  # float32: a little below the twin's
+    weight[1, 0] = twin + 0.75 * bound + 1e-3 * bound
+    weight[2, 0] = 3.0
+    approx = torch.tensor([[leader, twin, 3.0]], dtype=dtype)
+    return hidden, weight, approx
+
+
+class _FixedBound:
+    def __init__(self, value):
+        self.value = value
+
+    def largest(self):
+        return torch.full((1, 1), self.value)
+
+    def at(self, rows, tokens):
+        return torch.full(rows.shape, self.value)
+
+
+def test_the_rescoring_reaches_a_winner_two_bounds_below():
+    """The proof's line is the approximate top minus the leader's bound minus the largest bound:
+    a float32 winner 1.5 bounds below the approximate top is found. (A line one bound below, or
+    one that drops either term, misses it and keeps the wrong token.)"""
+    hidden, weight, approx = _near_twin_case(bound=1.0)
+    scores = rescore_in_fp32(hidden, lambda rows: weight[rows], None, approx.clone(), _FixedBound(1.0))
+    assert int(scores.argmax()) == 1
+    assert float(scores[0, 1]) == pytest.approx(float(weight[1, 0]))
+    narrow = rescore_in_fp32(hidden, lambda rows: weight[rows], None, approx.clone(), _FixedBound(0.5))
+    assert int(narrow.argmax()) == 0  # the case is sharp: half the bound gets it wrong
+
+
+def test_the_bf16_rounding_bound_reaches_a_winner_two_bounds_below():
+    """The same with a real bf16 head's own bound (|top| * 2**-7 + 1e-3): 16.0 and 15.8125 are
+    bf16 values 1.49 bounds apart, and the float32 products put the second first."""
+    bound = 16.0 * 2.0 ** -7 + 1e-3
+    hidden, weight, _ = _near_twin_case(bound)
+    approx = torch.tensor([[16.0, 15.8125, 3.0]], dtype=torch.bfloat16)
+    assert float(approx[0, 0] - approx[0, 1]) == pytest.approx(1.49 * bound, abs=0.01 * bound)
+    # the inputs honour the bound: each approximation within it of its float32 value
+    assert bool(((approx.float() - weight[:, 0]).abs() <= bound).all())
+    scores = rescore_in_fp32(hidden, lambda rows: weight[rows], None, approx)
+    assert int(scores.argmax()) == 1
+
+
+def test_the_rescored_products_include_the_bias():
+    """Two tokens whose weight products round to one bf16 value; the bias puts the second ahead
+    in float32. Rescoring without the bias would give the first (the first index of a tie)."""
+    hidden = torch.zeros(1, 4)
+    hidden[0, 0] = 1.0
+    weight = torch.zeros(2, 4)
+    weight[0, 0], weight[1, 0] = 10.0, 9.99
+    bias = torch.tensor([0.0, 0.02])
+    approx = (F.linear(hidden, weight) + bias).to(torch.bfloat16)
+    assert approx[0, 0] == approx[0, 1]  # a tie in bf16
+    scores = rescore_in_fp32(hidden, lambda rows: weight[rows], bias, approx)
+    assert int(scores.argmax()) == 1
+    assert float(scores[0, 1]) == pytest.approx(10.01)
+
+
+@pytest.mark.skipif(not __import__("foretell.proxy.engine.invariant_linear", fromlist=["x"]).fbgemm_available(),
+                    reason="int8 x int8 needs FBGEMM")
+def test_an_int8_head_decides_by_float32_products_with_a_bias():
+    """The int8 x int8 head through the engine's path: every row's argmax is the float32
+    product's (bias included), on near twins its integer product cannot tell apart."""
+    from foretell.proxy.engine.invariant_linear import Int8DynamicLinear
+
+    generator = torch.Generator().manual_seed(5)
+    hidden = torch.randn(32, 64, generator=generator)
+    weight = torch.randn(5000, 64, generator=generator)
+    bias = torch.randn(5000, generator=generator) * 1e-3
+    for row in range(32):  # a twin just below each row's winner, at a lower index
+        leader = int((F.linear(hidden[row], weight) + bias).argmax())
+        twin = (leader - 1 - row) % 5000
+        column = int(hidden[row].abs().argmax())
+        weight[twin] = weight[leader]
+        weight[twin, column] -= 1e-4 * float(hidden[row, column].sign())
+        bias[twin] = bias[leader]
+    linear = torch.nn.Linear(64, 5000)
+    with torch.no_grad():
+        linear.weight.copy_(weight)
+        linear.bias.copy_(bias)
+    head = Int8DynamicLinear(linear, keep_float_rows=True)
+    approx = head.product(hidden)
+    oracle = F.linear(hidden, weight) + bias
+    int8_alone = approx.argmax(dim=-1)
+    scores = rescore_in_fp32(hidden, head.float_rows, head.bias, approx,
+                             head.error_bound(hidden, head.last_residual_norm))
+    assert torch.equal(scores.argmax(dim=-1), oracle.argmax(dim=-1))
+    assert not torch.equal(int8_alone, oracle.argmax(dim=-1))  # the integer product alone errs
+
+
 # ---- dtype choice ----------------------------------------------------------------------------
 
 def test_auto_is_bf16_on_cuda_and_on_a_cpu_with_native_bf16(monkeypatch):
@@ -109,15 +208,53 @@ def test_auto_is_bf16_on_cuda_and_on_a_cpu_with_native_bf16(monkeypatch):
         resolve_dtype("fp8", "cpu")
 
 
+def test_auto_quantize_is_measured_once_per_machine(monkeypatch, tmp_path):
+    """--quantize auto: int8 on a CPU where the int8 x int8 kernel beats float32 on the head's
+    product, timed once and then read from the calibration folder; none elsewhere; a dtype asked
+    for by name keeps its own precision."""
+    from foretell.proxy.engine import invariant_linear, kernel_timing
+
+    if not invariant_linear.fbgemm_available():
+        pytest.skip("no FBGEMM in this torch build")
+    monkeypatch.setenv("FORETELL_CACHE_DIR", str(tmp_path))
+    timed = []
+
+    def fake_timing(out, inp):
+        timed.append((out, inp))
+        return {"float32": 0.04, "int8": 0.006} if out > 1000 else {"float32": 0.001, "int8": 0.002}
+
+    monkeypatch.setattr(kernel_timing, "time_kernels", fake_timing)
+    assert precision.resolve_quantize("auto", "cpu", (262144, 640)) == "int8"
+    assert precision.resolve_quantize(None, "cpu", (262144, 640)) == "int8"
+    assert timed == [(262144, 640)]  # the second answer came from the file
+    assert (tmp_path / "calibration" / "int8-kernels.json").is_file()
+    assert precision.resolve_quantize("auto", "cpu", (100, 64)) == "none"
+    assert precision.resolve_quantize("auto", "cuda", (262144, 640)) == "none"
+    assert precision.resolve_quantize("int4", "cpu", (262144, 640)) == "int4"
+    assert resolve_dtype("auto", "cpu", "int8") == torch.float32
+    monkeypatch.setattr(invariant_linear, "fbgemm_available", lambda: False)
+    assert precision.resolve_quantize("auto", "cpu", (262144, 640)) == "none"
+
+
+def test_the_real_kernel_timing_measures_both_kernels():
+    from foretell.proxy.engine import invariant_linear, kernel_timing
+
+    if not invariant_linear.fbgemm_available():
+        pytest.skip("no FBGEMM in this torch build")
+    timings = kernel_timing.time_kernels(4096, 64)
+    assert set(timings) == {"float32", "int8"} and all(t > 0 for t in timings.values())
+
+
 def test_precision_labels():
     assert describe(torch.float32, "none", True) == "float32"  # no fp32 head over an fp32 body
     assert describe(torch.bfloat16, "none", True) == "bfloat16+fp32-head"
     assert describe(torch.bfloat16, "int4") == "bfloat16/int4"
+    assert describe(torch.float32, "int8", True) == "float32/int8+fp32-head"
 
 
 # ---- quantization ------------------------------------------------------------------------------
 
-def test_int8_linear_equals_its_dequantized_reference():
+def test_invariant_linear_equals_its_dequantized_reference():
     torch.manual_seed(0)
     linear = torch.nn.Linear(96, 40, bias=True).to(torch.bfloat16)
     quantized = Int8WeightOnlyLinear(linear)
@@ -129,19 +266,41 @@ def test_int8_linear_equals_its_dequantized_reference():
     torch.testing.assert_close(quantized(x).float(), linear(x).float(), rtol=0.1, atol=0.1)
 
 
-def test_quantize_replaces_every_linear_layer_the_head_too(tiny_model):
+@pytest.mark.parametrize("integer", [True, False], ids=["int8-activations", "weight-only"])
+def test_quantize_replaces_every_linear_layer_the_head_too(tiny_model, integer, monkeypatch):
+    """int8 x int8 where FBGEMM runs (q/k/v and gate/up sharing one product of their input),
+    else PyTorch's weight-only kernel."""
+    from foretell.proxy.engine import invariant_linear
+
+    if integer and not invariant_linear.fbgemm_available():
+        pytest.skip("no FBGEMM in this torch build")
+    monkeypatch.setattr(invariant_linear, "fbgemm_available", lambda: integer)
     model = copy.deepcopy(tiny_model).to(torch.bfloat16)
     linears = sum(type(m) is torch.nn.Linear for m in model.modules())
     assert quantize_weights(model, "int8") == linears
-    assert isinstance(model.get_output_embeddings(), Int8WeightOnlyLinear)
+    assert sum(type(m) is torch.nn.Linear for m in model.modules()) == 0
+    head = model.get_output_embeddings()
+    if integer:
+        assert isinstance(head, invariant_linear.Int8DynamicLinear) and head.float_weight is not None
+        attention = model.model.layers[0].self_attn
+        assert isinstance(attention.k_proj, invariant_linear.SharedInputProjection)
+        assert attention.q_proj.group is attention.v_proj.group
+        assert model.foretell_batch_invariant
+    else:
+        assert isinstance(head, Int8WeightOnlyLinear)
+        assert not model.foretell_batch_invariant
     assert model.get_input_embeddings().weight.dtype == torch.bfloat16  # the embedding is kept
     assert model.foretell_quantization == "int8"
-    with pytest.raises(ValueError, match="quantize must be one of none, int8, int4"):
+    with pytest.raises(ValueError, match="quantize must be one of auto, none, int8, int4"):
         quantize_weights(model, "int3")
 
 
-def test_int8_leaves_layers_its_kernel_cannot_take():
-    """PyTorch's int8 kernel needs a width divisible by 16 (it crashes the process otherwise)."""
+def test_int8_leaves_layers_its_kernel_cannot_take(monkeypatch):
+    """PyTorch's int8 weight-only kernel (without FBGEMM) needs a width divisible by 16 (it
+    crashes the process otherwise)."""
+    from foretell.proxy.engine import invariant_linear
+
+    monkeypatch.setattr(invariant_linear, "fbgemm_available", lambda: False)
     model = torch.nn.Sequential(torch.nn.Linear(24, 32), torch.nn.Linear(32, 8)).to(torch.bfloat16)
     model.get_output_embeddings = lambda: None
     assert quantize_weights(model, "int8") == 1

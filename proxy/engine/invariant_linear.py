@@ -1,0 +1,213 @@
+"""A linear layer whose every output row has the same bits whatever else shares the pass:
+int8 weights times int8 activations, summed exactly in int32.
+
+Why: on a CPU without native bf16 (AVX2 alone, as most laptops and many VMs), the float kernels
+read 4 bytes a weight and PyTorch's int8 weight-only kernel (``aten._weight_int8pack_mm``) is
+compute-bound; FBGEMM's int8 x int8 kernel reads 1 byte a weight and multiplies with the CPU's
+integer dot products. Measured on an AVX2 EPYC (2 threads, docs/benchmarks.md): the
+262144 x 640 output head of the embedded model takes 61 ms at one row in float32, 143 ms
+weight-only int8, 11 ms here.
+
+Why it is *batch invariant*: each row is quantized with its own scale, and integer sums are exact
+whatever order the kernel adds in, so a row's output bits never depend on how many rows share
+the pass or what they hold. A verify pass of k + 1 rows computes exactly what k + 1 plain passes
+would, and speculation cannot change the text.
+
+How each row is quantized: symmetric, scale ``max|x| / 63``, and then its residual quantized
+again the same way (two levels, ~13 bits: one level of 7 bits loses too much on rows with an
+outlier channel, as Gemma's have). Both levels of every row go through one kernel call, as rows.
+FBGEMM takes an activation tensor with one scale for the whole tensor (per-tensor, which would
+tie rows together), so the rows are handed over already as small integers, with one extra row
+holding -64 and 63: the tensor's range is then exactly [-64, 63], FBGEMM's scale exactly 1 and
+its quantization the identity. 7-bit activations (FBGEMM's ``reduce_range``) keep the AVX2
+kernel's 16-bit pair sums from saturating (2 * 127 * 128 < 2**15), so the int32 sums are exact.
+
+``error_bound`` gives, per row and token, a proven bound on |this layer's output - the float32
+product of the same input and the original weights|, which lets the output head rescore every
+token that could be the float32 argmax (``precision.rescore_in_fp32``).
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import torch
+
+# Activations are quantized to [-63, 63]; the calibration row holds the tensor's range ends.
+ACTIVATION_LEVEL = 63
+_RANGE_LOW, _RANGE_HIGH = -64.0, 63.0
+WEIGHT_LEVEL = 127
+_UNIT_ROUNDOFF = 2.0 ** -24  # float32
+
+
+def fbgemm_available() -> bool:
+    """Whether this torch build has FBGEMM's int8 kernels (x86 builds do)."""
+    return "fbgemm" in torch.backends.quantized.supported_engines
+
+
+def quantize_rows(x: torch.Tensor, levels: int = 2) -> tuple[list[torch.Tensor], list[torch.Tensor], torch.Tensor]:
+    """Each row of ``x`` [n, d] (float32) as a sum of ``levels`` integer-valued rows times their
+    scales: x = sum_l q[l] * s[l] + residual. Returns (q [n, d] per level, s [n, 1] per level,
+    residual [n, d])."""
+    quantized, scales, residual = [], [], x
+    for _ in range(levels):
+        largest = torch.linalg.vector_norm(residual, ord=float("inf"), dim=-1, keepdim=True)  # [n, 1]
+        scale = largest.clamp_(min=1e-30).mul_(1.0 / ACTIVATION_LEVEL)
+        q = torch.div(residual, scale).round_()  # [n, d] in [-63, 63]
+        quantized.append(q)
+        scales.append(scale)
+        residual = torch.addcmul(residual, q, scale, value=-1.0)
+    return quantized, scales, residual
+
+
+class Int8DynamicLinear(torch.nn.Module):
+    """``linear`` with int8 weights (symmetric, one scale per output row) and int8 activations
+    (two levels, one scale per row and level), multiplied by FBGEMM."""
+
+    def __init__(self, linear: torch.nn.Linear, levels: int = 2, keep_float_rows: bool = False):
+        """``keep_float_rows``: keep a reference to the original weight, whose rows the output
+        head rescores in float32 (``float_rows``); a tied head's is the embedding's own tensor."""
+        super().__init__()
+        if not fbgemm_available():
+            raise RuntimeError("int8 activations need FBGEMM (an x86 build of torch)")
+        weight = linear.weight.detach().float()  # [out, in]
+        scale = weight.abs().amax(dim=1).clamp(min=1e-12) / WEIGHT_LEVEL  # [out]
+        qweight = torch.clamp(torch.round(weight / scale[:, None]), -WEIGHT_LEVEL, WEIGHT_LEVEL)
+        with warnings.catch_warnings():  # quantized tensors are deprecated; FBGEMM still packs them
+            warnings.simplefilter("ignore", UserWarning)
+            packed_input = torch._make_per_channel_quantized_tensor(
+                qweight.to(torch.int8), scale.double(), torch.zeros_like(scale, dtype=torch.long), 0)
+        self.packed = torch.ops.quantized.linear_prepack(packed_input, None)
+        self.float_weight = linear.weight.detach() if keep_float_rows else None
+        self.levels = levels
+        self.bias = linear.bias
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        range_row = torch.zeros(1, self.in_features)
+        range_row[0, 0], range_row[0, -1] = _RANGE_LOW, _RANGE_HIGH
+        self.register_buffer("range_row", range_row, persistent=False)
+        # For error_bound: per output row, the norms of the de-quantized weights, of what
+        # quantization took from them, and of the original weights.
+        dequantized = qweight * scale[:, None]
+        self.register_buffer("dequantized_norm", dequantized.norm(dim=1), persistent=False)  # [out]
+        self.register_buffer("weight_error_norm", (weight - dequantized).norm(dim=1), persistent=False)
+        self.register_buffer("weight_norm", weight.norm(dim=1), persistent=False)
+        self.last_residual_norm: torch.Tensor | None = None  # [n, 1] of the last forward
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, levels={self.levels}"
+
+    def float_rows(self, rows: torch.Tensor) -> torch.Tensor:
+        """The original weight rows ``rows`` [c] in float32: [c, in]."""
+        return self.float_weight[rows].float()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., in] -> [..., out] (x's dtype)
+        out = self.product(x.reshape(-1, x.shape[-1]))
+        return out.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
+
+    def product(self, rows: torch.Tensor) -> torch.Tensor:
+        """[n, in] -> [n, out] in float32, the residual's norm kept for ``error_bound``."""
+        rows = rows.float()
+        n = rows.shape[0]
+        quantized, scales, residual = quantize_rows(rows, self.levels)
+        integer = torch.ops.quantized.linear_dynamic(
+            torch.cat([*quantized, self.range_row]), self.packed, True)  # [levels * n + 1, out]
+        out = integer[:n] * scales[0]
+        for level in range(1, self.levels):
+            out = torch.addcmul(out, integer[level * n:(level + 1) * n], scales[level])
+        if self.bias is not None:
+            out = out + self.bias.float()
+        if self.float_weight is not None:  # the output head: its bound needs the residual
+            self.last_residual_norm = residual.norm(dim=-1, keepdim=True)  # [n, 1]
+        return out
+
+    def error_bound(self, hidden: torch.Tensor, residual_norm: torch.Tensor) -> "ProductErrorBound":
+        """The bound for outputs just computed from ``hidden`` [n, in] (``residual_norm`` [n, 1]:
+        the norm of what the activation quantization left, ``last_residual_norm``)."""
+        return ProductErrorBound(self, hidden.float().norm(dim=-1, keepdim=True), residual_norm)
+
+
+class ProductErrorBound:
+    """|output_j - fl32(w_j . x)| <= bound for row x, token j, where ``w_j`` is the original weight
+    row and fl32 the float32 dot product the rescoring computes.
+
+    With w = W + e_w (W the de-quantized row) and x = X + e_x (X what the activation levels
+    hold): w . x = W . X + W . e_x + e_w . x, and W . X is what the kernel summed exactly. By
+    Cauchy-Schwarz |W . e_x| <= |W| |e_x| and |e_w . x| <= |e_w| |x|. Rounding: the kernel's
+    scaling (a few float32 products and sums: at most ``levels + 2`` roundings of values no larger
+    than |W| |x|) and the rescored dot product itself (at most d roundings, each at most
+    u * |w| |x|). Margins of 1% cover the float32 rounding of the norms themselves."""
+
+    def __init__(self, layer: Int8DynamicLinear, hidden_norm: torch.Tensor, residual_norm: torch.Tensor):
+        self.layer = layer
+        self.hidden_norm = hidden_norm  # [n, 1]
+        self.residual_norm = residual_norm  # [n, 1]
+        self.rounding = (layer.in_features + layer.levels + 4) * _UNIT_ROUNDOFF
+
+    def _bound(self, hidden_norm, residual_norm, dequantized, weight_error, weight):
+        return 1.01 * (residual_norm * dequantized + hidden_norm * weight_error
+                       + self.rounding * hidden_norm * (weight + dequantized)) + 1e-6
+
+    def largest(self) -> torch.Tensor:
+        """Per row [n, 1]: the bound's largest value over every token."""
+        layer = self.layer
+        return self._bound(self.hidden_norm, self.residual_norm, layer.dequantized_norm.max(),
+                           layer.weight_error_norm.max(), layer.weight_norm.max())
+
+    def at(self, rows: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+        """The bound for (row, token) pairs [c]."""
+        layer = self.layer
+        return self._bound(self.hidden_norm[rows, 0], self.residual_norm[rows, 0],
+                           layer.dequantized_norm[tokens], layer.weight_error_norm[tokens],
+                           layer.weight_norm[tokens])
+
+
+class SharedInputProjection(torch.nn.Module):
+    """One of several projections of the same input (q, k and v; gate and up) served by a
+    single integer product of their stacked weights: the input is quantized once, and each
+    output row's bits are what its own layer would give (rows and columns are independent)."""
+
+    def __init__(self, group: "_ProjectionGroup", index: int):
+        super().__init__()
+        self.group, self.index = group, index
+        self.in_features, self.out_features = group.linear.in_features, group.sizes[index]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.group.output(x, self.index)
+
+
+class _ProjectionGroup:
+    def __init__(self, linears: list[torch.nn.Linear]):
+        stacked = torch.nn.Linear(linears[0].in_features, sum(l.out_features for l in linears),
+                                  bias=any(l.bias is not None for l in linears))
+        with torch.no_grad():
+            stacked.weight.copy_(torch.cat([l.weight.float() for l in linears]))
+            if stacked.bias is not None:
+                stacked.bias.copy_(torch.cat([l.bias.float() if l.bias is not None
+                                              else torch.zeros(l.out_features) for l in linears]))
+        self.linear = Int8DynamicLinear(stacked)
+        self.sizes = [l.out_features for l in linears]
+        self._input: torch.Tensor | None = None
+        self._outputs: tuple[torch.Tensor, ...] = ()
+        self._served: set[int] = set()
+
+    def output(self, x: torch.Tensor, index: int) -> torch.Tensor:
+        if x is not self._input or index in self._served:  # a new input: one product for all
+            self._outputs = self.linear(x).split(self.sizes, dim=-1)
+            self._input, self._served = x, set()
+        self._served.add(index)
+        out = self._outputs[index]
+        if len(self._served) == len(self.sizes):  # every projection served: let go of the input
+            self._input, self._outputs = None, ()
+        return out
+
+
+def share_inputs(parent: torch.nn.Module, names: tuple[str, ...]) -> bool:
+    """Replace ``parent``'s linear children ``names`` (all of one input width) by one shared
+    integer product; False when they are not all there as plain linear layers."""
+    linears = [getattr(parent, name, None) for name in names]
+    if not all(type(l) is torch.nn.Linear for l in linears) or len({l.in_features for l in linears}) != 1:
+        return False
+    group = _ProjectionGroup(linears)
+    for index, name in enumerate(names):
+        setattr(parent, name, SharedInputProjection(group, index))
+    return True

@@ -1,0 +1,101 @@
+"""Which linear kernel is faster on this CPU, timed once and kept with the calibration.
+
+``--quantize auto`` asks whether FBGEMM's int8 x int8 kernel (``invariant_linear.py``) beats float32
+(MKL) on the model's largest product, its output head. The answer depends on the CPU (AVX2,
+AVX-512, VNNI, AMX), the torch build and the thread count, never on the run, so it is measured
+once per machine and shape and kept under the calibration folder (``int8-kernels.json``).
+
+The product is timed at 1 and 8 rows (a decoding step and a short verify), the median of five
+runs each, on random weights of the model's width and up to 32768 output rows: beyond the CPU's
+caches both kernels stream their weights, so a slice ranks them as the whole head does.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger("foretell.engine")
+
+TIMED_ROWS = (1, 8)
+_MAX_TIMED_OUT = 32768
+_FILE = "int8-kernels.json"
+
+
+def _median_seconds(run, repeats: int = 5) -> float:
+    run()  # warm-up
+    times = []
+    for _ in range(repeats):
+        started = time.perf_counter()
+        run()
+        times.append(time.perf_counter() - started)
+    return statistics.median(times)
+
+
+def time_kernels(out_features: int, in_features: int) -> dict[str, float]:
+    """Seconds for float32 and int8 x int8 products of (out, in) weights, summed over TIMED_ROWS."""
+    from foretell.proxy.engine.invariant_linear import Int8DynamicLinear
+
+    generator = torch.Generator().manual_seed(0)
+    linear = torch.nn.Linear(in_features, min(out_features, _MAX_TIMED_OUT), bias=False)
+    with torch.no_grad():
+        linear.weight.copy_(torch.randn(linear.weight.shape, generator=generator) * 0.05)
+    integer = Int8DynamicLinear(linear)
+    result = {"float32": 0.0, "int8": 0.0}
+    with torch.inference_mode():
+        for rows in TIMED_ROWS:
+            x = torch.randn(rows, in_features, generator=generator)
+            result["float32"] += _median_seconds(lambda: torch.nn.functional.linear(x, linear.weight))
+            result["int8"] += _median_seconds(lambda: integer(x))
+    return result
+
+
+def _key(out_features: int, in_features: int) -> str:
+    from foretell.proxy.engine.calibration_cache import cpu_model
+
+    return f"{cpu_model()}|torch {torch.__version__}|threads {torch.get_num_threads()}|{out_features}x{in_features}"
+
+
+def _path() -> Path:
+    from foretell.proxy.engine.calibration_cache import calibration_dir
+
+    return calibration_dir() / _FILE
+
+
+def measured(out_features: int, in_features: int, remeasure: bool = False) -> dict[str, float]:
+    """This machine's timings for an (out, in) product: from the kept file, else measured now."""
+    key, path = _key(out_features, in_features), _path()
+    try:
+        known = json.loads(path.read_text())
+    except (OSError, ValueError):
+        known = {}
+    if not isinstance(known, dict):
+        known = {}
+    entry = known.get(key)
+    if remeasure or not (isinstance(entry, dict) and {"float32", "int8"} <= entry.keys()):
+        entry = time_kernels(out_features, in_features)
+        known[key] = entry
+        try:  # written whole, then renamed: a reader never sees half a file
+            path.parent.mkdir(parents=True, exist_ok=True)
+            with tempfile.NamedTemporaryFile("w", dir=path.parent, delete=False, suffix=".tmp") as handle:
+                json.dump(known, handle, indent=1)
+            os.replace(handle.name, path)
+        except OSError as error:
+            log.warning("could not keep the kernel timings at %s: %s", path, error)
+        log.info("timed the %dx%d product: float32 %.2f ms, int8 x int8 %.2f ms (rows %s)",
+                 out_features, in_features, 1000 * entry["float32"], 1000 * entry["int8"],
+                 "+".join(map(str, TIMED_ROWS)))
+    return entry
+
+
+def int8_beats_float32(shapes: list[tuple[int, int]], remeasure: bool = False) -> bool:
+    """Whether the int8 x int8 kernel takes less time than float32 over these (out, in) products."""
+    timings = [measured(out, inp, remeasure) for out, inp in shapes]
+    return sum(t["int8"] for t in timings) < sum(t["float32"] for t in timings)
