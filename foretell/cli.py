@@ -101,25 +101,31 @@ def _add_precision_options(command: argparse.ArgumentParser) -> None:
     the configuration file's local route, else the default)."""
     command.add_argument("--dtype", type=_choice(DTYPE_CHOICES),
                          default=_FromEnv("FORETELL_DTYPE", None, _choice(DTYPE_CHOICES)),
-                         help="weights' dtype: auto (default: bfloat16 on CUDA and on a CPU with "
-                              "native bf16, else float32), float32 (text identical to plain greedy "
-                              "decoding), bfloat16 or float16 (identical to this engine's own plain "
-                              "decoding except at near ties; see the README) (env: FORETELL_DTYPE)")
+                         help="weights' dtype: auto (default: float32 beside --quantize auto's int8, "
+                              "else bfloat16 on CUDA and on a CPU with native bf16, else float32), "
+                              "float32 (text identical to plain greedy decoding but at near ties; "
+                              "with --quantize auto it keeps float32 throughout), bfloat16 or "
+                              "float16 (identical to this engine's own plain decoding except at near "
+                              "ties; see the README) (env: FORETELL_DTYPE)")
     head = command.add_mutually_exclusive_group()
     head.add_argument("--fp32-head", dest="fp32_head", action="store_true",
                       default=_FromEnv("FORETELL_FP32_HEAD", None, _switch),
-                      help="score each row's leading tokens in float32 over a bf16/fp16 head, so "
-                           "that rounding does not decide between them (default: on for bf16/fp16, "
-                           "unquantized or int8; with int4 it keeps the head in bf16) "
-                           "(env: FORETELL_FP32_HEAD=1 or 0)")
+                      help="score each row's leading tokens in float32 over an approximate head "
+                           "(bf16/fp16 or int8), so that rounding does not decide between them "
+                           "(default: on for int8, and for bf16/fp16 unquantized; with int4 it keeps "
+                           "the head in bf16) (env: FORETELL_FP32_HEAD=1 or 0)")
     head.add_argument("--no-fp32-head", dest="fp32_head", action="store_false",
                       help="take the logits at the head's own precision")
     command.add_argument("--quantize", type=_choice(QUANTIZE_CHOICES),
                          default=_FromEnv("FORETELL_QUANTIZE", None, _choice(QUANTIZE_CHOICES)),
-                         help="weight-only quantization of the linear layers: none (default), int8 "
-                              "(PyTorch's int8 weight-only kernel) or int4 (torchao, groups of 128); "
-                              "faster plain decoding, text identical to the same mode's own plain "
-                              "decoding except at near ties (env: FORETELL_QUANTIZE)")
+                         help="quantization of the linear layers: auto (default: int8 on a CPU where "
+                              "it measures faster than float32 on the output head, timed once per "
+                              "machine; none on CUDA or beside a --dtype given by name), none, int8 "
+                              "(int8 weights x int8 activations in exact integer sums through FBGEMM "
+                              "on x86: one text per request, speculative text identical to its own "
+                              "plain text; weight-only elsewhere) or int4 (torchao weight-only, "
+                              "groups of 128; identical to its own plain decoding except at near "
+                              "ties) (env: FORETELL_QUANTIZE)")
 
 
 def _add_kernels_option(command: argparse.ArgumentParser) -> None:
@@ -472,7 +478,7 @@ def run_generate(args: argparse.Namespace) -> int:
         from foretell.proxy.engine.model_loader import load_model
 
     try:
-        loaded = load_model(args.model, dtype=args.dtype or "auto", quantize=args.quantize or "none",
+        loaded = load_model(args.model, dtype=args.dtype or "auto", quantize=args.quantize or "auto",
                             fp32_head=args.fp32_head)
     except (ValueError, RuntimeError, OSError) as error:
         raise SystemExit(f"foretell: cannot load model: {error}") from None
@@ -543,7 +549,7 @@ def run_serve(args: argparse.Namespace) -> int:
     except ValueError as error:
         raise SystemExit(f"foretell: {error}") from None
     # The command line or environment, else the configuration file's local route, else the default.
-    for key, default in (("dtype", "auto"), ("quantize", "none"), ("fp32_head", None)):
+    for key, default in (("dtype", "auto"), ("quantize", "auto"), ("fp32_head", None)):
         if getattr(args, key) is None:
             setattr(args, key, configured.get(key, default))
     settings = ServerSettings(

@@ -10,8 +10,10 @@ keys:
 - scores: one matrix product per KV head, [rows, d] x [d, keys]; measured with MKL, a row of a
   product whose rows are a multiple of 4 (MKL takes them four at a time and rounds a remainder
   of 1-3 rows otherwise) and whose columns are at least 12 has the same bits however many rows
-  and columns it shares the product with (``tests/proxy/engine/test_batch_invariance.py``
-  checks it on the machine that runs the tests), so the query rows are padded to a multiple of 4;
+  and columns it shares the product with, so the query rows are padded to a whole number of row
+  groups. The group is measured when the engine starts (``row_group``: 4 on an AVX2 EPYC; the
+  smallest of 4, 8, 16, 32 whose multiples all round alike) and checked by
+  ``tests/proxy/engine/test_batch_invariance.py`` on the machine that runs the tests;
 - the row's maximum over its visible keys (exact in any order), then exp(score - max), masked
   keys exactly 0;
 - per chunk: the sum of its C weights and its C x d product with the values, shapes that do not
@@ -24,10 +26,32 @@ same bits, and so does a prompt position whether it was prefilled in a chunk of 
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 CHUNK = 256  # keys per chunk: >= 12 (see above); larger means fewer sequential additions
-ROW_GROUP = 4  # products take rows in groups of this many; a partial group rounds otherwise
+ROW_GROUPS = (4, 8, 16, 32)  # candidates for the rows a product takes at once
+
+
+@functools.lru_cache(maxsize=None)
+def row_group(head_dim: int) -> int:
+    """The smallest group size whose whole multiples of rows give every row the same bits in
+    both of the attention's products (scores [rows, d] x [d, C], values [rows, C] x [C, d]),
+    measured on random data of this head size; 64 if none of the candidates does."""
+    generator = torch.Generator().manual_seed(0)
+    keys = torch.randn(1, CHUNK * 2, head_dim, generator=generator)
+    values = torch.randn(2, CHUNK, head_dim, generator=generator)
+    for group in ROW_GROUPS:
+        most = 8 * group
+        queries = torch.randn(1, most, head_dim, generator=generator)
+        weights = torch.rand(2, most, CHUNK, generator=generator)
+        scores, mixed = torch.bmm(queries, keys.transpose(1, 2)), torch.bmm(weights, values)
+        if all(torch.equal(torch.bmm(queries[:, :n], keys.transpose(1, 2)), scores[:, :n])
+               and torch.equal(torch.bmm(weights[:, :n], values), mixed[:, :n])
+               for n in range(group, most, group)):
+            return group
+    return 64
 
 
 def key_span(first: int, end: int) -> tuple[int, int]:
@@ -38,16 +62,18 @@ def key_span(first: int, end: int) -> tuple[int, int]:
 
 
 def fixed_split_attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
-                          visible: torch.Tensor, scale: float) -> torch.Tensor:
+                          visible: torch.Tensor, scale: float, group_rows: int | None = None) -> torch.Tensor:
     """query [heads, q, d]; keys, values [kv_heads, N, d] (N a multiple of CHUNK, positions from a
-    chunk boundary); visible [q, N] bool. Returns [q, heads, d]."""
+    chunk boundary); visible [q, N] bool; ``group_rows``: ``row_group(d)`` unless given.
+    Returns [q, heads, d]."""
     heads, q, d = query.shape
     kv_heads, n, _ = keys.shape
     group = heads // kv_heads
     chunks = n // CHUNK
     rows = group * q
     x = (query * scale).reshape(kv_heads, rows, d)  # [kv, group * q, d], rows (head, query)
-    padded = -(-rows // ROW_GROUP) * ROW_GROUP
+    step = group_rows or row_group(d)
+    padded = -(-rows // step) * step
     if padded > rows:
         x = torch.cat([x, x.new_zeros(kv_heads, padded - rows, d)], dim=1)
     scores = torch.bmm(x, keys.transpose(1, 2))[:, :rows]  # [kv, rows, N]

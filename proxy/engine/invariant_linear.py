@@ -17,10 +17,10 @@ How each row is quantized: symmetric, scale ``max|x| / 63``, and then its residu
 again the same way (two levels, ~13 bits: one level of 7 bits loses too much on rows with an
 outlier channel, as Gemma's have). Both levels of every row go through one kernel call, as rows.
 FBGEMM takes an activation tensor with one scale for the whole tensor (per-tensor, which would
-tie rows together), so the rows are handed over already as small integers, with one extra row
-holding -64 and 63: the tensor's range is then exactly [-64, 63], FBGEMM's scale exactly 1 and
-its quantization the identity. 7-bit activations (FBGEMM's ``reduce_range``) keep the AVX2
-kernel's 16-bit pair sums from saturating (2 * 127 * 128 < 2**15), so the int32 sums are exact.
+tie rows together), so the rows are handed over already as small integers with scale 1 and
+zero point 64: its quantization is then the identity (values 1..127). 7-bit activations keep
+the AVX2 kernel's 16-bit pair sums from saturating (2 * 127 * 128 < 2**15), so the int32 sums
+are exact.
 
 ``error_bound`` gives, per row and token, a proven bound on |this layer's output - the float32
 product of the same input and the original weights|, which lets the output head rescore every
@@ -33,16 +33,17 @@ import warnings
 
 import torch
 
-# Activations are quantized to [-63, 63]; the calibration row holds the tensor's range ends.
+# Activations are quantized to [-63, 63], handed to FBGEMM as uint8 around this zero point.
 ACTIVATION_LEVEL = 63
-_RANGE_LOW, _RANGE_HIGH = -64.0, 63.0
+_ZERO_POINT = 64
 WEIGHT_LEVEL = 127
 _UNIT_ROUNDOFF = 2.0 ** -24  # float32
 
 
 def fbgemm_available() -> bool:
     """Whether this torch build has FBGEMM's int8 kernels (x86 builds do)."""
-    return "fbgemm" in torch.backends.quantized.supported_engines
+    return ("fbgemm" in torch.backends.quantized.supported_engines
+            and hasattr(torch.ops.quantized, "linear_with_input_q_dq_qweight_dq_output_fp32"))
 
 
 def quantize_rows(x: torch.Tensor, levels: int = 2) -> tuple[list[torch.Tensor], list[torch.Tensor], torch.Tensor]:
@@ -82,9 +83,6 @@ class Int8DynamicLinear(torch.nn.Module):
         self.levels = levels
         self.bias = linear.bias
         self.in_features, self.out_features = linear.in_features, linear.out_features
-        range_row = torch.zeros(1, self.in_features)
-        range_row[0, 0], range_row[0, -1] = _RANGE_LOW, _RANGE_HIGH
-        self.register_buffer("range_row", range_row, persistent=False)
         # For error_bound: per output row, the norms of the de-quantized weights, of what
         # quantization took from them, and of the original weights.
         dequantized = qweight * scale[:, None]
@@ -109,8 +107,8 @@ class Int8DynamicLinear(torch.nn.Module):
         rows = rows.float()
         n = rows.shape[0]
         quantized, scales, residual = quantize_rows(rows, self.levels)
-        integer = torch.ops.quantized.linear_dynamic(
-            torch.cat([*quantized, self.range_row]), self.packed, True)  # [levels * n + 1, out]
+        integer = torch.ops.quantized.linear_with_input_q_dq_qweight_dq_output_fp32(
+            torch.cat(quantized), 1.0, _ZERO_POINT, self.packed)  # [levels * n, out]
         out = integer[:n] * scales[0]
         for level in range(1, self.levels):
             out = torch.addcmul(out, integer[level * n:(level + 1) * n], scales[level])

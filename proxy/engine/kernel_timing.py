@@ -29,6 +29,31 @@ _MAX_TIMED_OUT = 32768
 _FILE = "int8-kernels.json"
 
 
+# What the CPU has that decides its kernels (torch's own checks, as oneDNN and FBGEMM dispatch).
+_FEATURES = (("avx2", "_is_avx2_supported"), ("avx512", "_is_avx512_supported"),
+             ("avx512_bf16", "_is_avx512_bf16_supported"), ("vnni", "_is_vnni_supported"),
+             ("amx", "_is_amx_tile_supported"))
+
+
+def cpu_features() -> list[str]:
+    """The kernel-relevant features this CPU has, of AVX2, AVX-512, AVX512-BF16, VNNI, AMX."""
+    found = []
+    for name, check in _FEATURES:
+        try:
+            if getattr(torch.cpu, check)():
+                found.append(name)
+        except (AttributeError, RuntimeError):  # another architecture, or an older torch
+            pass
+    return found
+
+
+def describe_cpu() -> dict:
+    """What /health and the benchmarks name: the CPU's model, its kernel features, torch's threads."""
+    from foretell.proxy.engine.calibration_cache import cpu_model
+
+    return {"model": cpu_model(), "features": cpu_features(), "threads": torch.get_num_threads()}
+
+
 def _median_seconds(run, repeats: int = 5) -> float:
     run()  # warm-up
     times = []
@@ -60,7 +85,9 @@ def time_kernels(out_features: int, in_features: int) -> dict[str, float]:
 def _key(out_features: int, in_features: int) -> str:
     from foretell.proxy.engine.calibration_cache import cpu_model
 
-    return f"{cpu_model()}|torch {torch.__version__}|threads {torch.get_num_threads()}|{out_features}x{in_features}"
+    features = "+".join(cpu_features()) or "none"
+    return (f"{cpu_model()}|{features}|torch {torch.__version__}|threads {torch.get_num_threads()}"
+            f"|{out_features}x{in_features}")
 
 
 def _path() -> Path:
@@ -89,9 +116,9 @@ def measured(out_features: int, in_features: int, remeasure: bool = False) -> di
             os.replace(handle.name, path)
         except OSError as error:
             log.warning("could not keep the kernel timings at %s: %s", path, error)
-        log.info("timed the %dx%d product: float32 %.2f ms, int8 x int8 %.2f ms (rows %s)",
-                 out_features, in_features, 1000 * entry["float32"], 1000 * entry["int8"],
-                 "+".join(map(str, TIMED_ROWS)))
+        log.info("timed the %dx%d product on this CPU (%s): float32 %.2f ms, int8 x int8 %.2f ms "
+                 "(rows %s)", out_features, in_features, ", ".join(cpu_features()) or "no AVX2",
+                 1000 * entry["float32"], 1000 * entry["int8"], "+".join(map(str, TIMED_ROWS)))
     return entry
 
 

@@ -19,6 +19,10 @@ class LocalModel:
         self.loaded, self.scheduler, self.name = loaded, scheduler, served_name
         self.precision = scheduler.engine.precision  # e.g. bfloat16+fp32-head, shown by /health
         self.kernels = scheduler.engine.kernels.describe()  # which run Triton, which fell back
+        self.batch_invariant = scheduler.engine.batch_invariant  # one text per request, whatever runs
+        from foretell.proxy.engine.kernel_timing import describe_cpu
+
+        self.cpu = describe_cpu()  # the CPU's model and the features its kernels were chosen for
         self.tokenizer = loaded.tokenizer
         # The engine's own limit (None: the model names none), checked here before queueing.
         self.context = scheduler.engine.max_positions
@@ -50,8 +54,11 @@ def default_loader(settings: ServerSettings):
                                    prefill_chunk=settings.prefill_chunk, max_sequences=settings.max_running,
                                    fp32_head=settings.fp32_head, kernels=settings.kernels,
                                    draft_cache=draft_cache)
-        log.info("engine precision: %s; kernels: %s", engine.precision,
-                 ", ".join(engine.kernels.triton) or "torch references")
+        from foretell.proxy.engine.kernel_timing import cpu_features
+
+        log.info("engine precision: %s (batch invariant: %s); kernels: %s; CPU features: %s",
+                 engine.precision, "yes" if engine.batch_invariant else "no",
+                 ", ".join(engine.kernels.triton) or "torch references", ", ".join(cpu_features()) or "-")
         if settings.calibrate:  # from the calibration cache when this machine measured it before
             calibrate_with_cache(engine, loaded.source, recalibrate=settings.recalibrate)
         name = settings.served_model_name or loaded.name

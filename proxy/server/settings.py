@@ -30,7 +30,7 @@ class ServerSettings:
     metrics_public: bool = False  # /metrics without the API key
     # The local model's precision (proxy/engine/precision.py): --dtype, --quantize, --fp32-head.
     dtype: str = "auto"
-    quantize: str = "none"
+    quantize: str = "auto"
     fp32_head: bool | None = None  # None: precision.default_fp32_head
     # Triton or the torch references for attention and verification (engine/kernel_choice.py).
     kernels: str | None = None  # None: FORETELL_KERNELS, else auto

@@ -104,32 +104,35 @@ def test_precision_options_parse(monkeypatch, capsys):
 
 def test_bad_precision_options_are_refused():
     result = run_cli("generate", "--prompt-file", "-", "--quantize", "int2", stdin="x")
-    assert result.returncode == 2 and "must be none, int8 or int4, got int2" in result.stderr
+    assert result.returncode == 2 and "must be auto, none, int8 or int4, got int2" in result.stderr
     result = run_cli("generate", "--prompt-file", "-", "--fp32-head", "--no-fp32-head", stdin="x")
     assert result.returncode == 2 and "not allowed with argument" in result.stderr
 
 
 def test_generate_runs_the_default_precision(tmp_path, tiny_model_folder, tiny_model, tokenizer):
-    """Without --dtype: bf16 with the fp32 head on a CPU with native bf16 (this one), else fp32;
-    the text is that precision's own plain decoding."""
+    """Without --dtype and --quantize: int8 where this CPU measures it faster than float32 on the
+    head (then float32 for the rest), else bf16 with the fp32 head on a CPU with native bf16,
+    else float32; the text is that precision's own plain decoding."""
     import copy
 
-    import torch
+    from foretell.proxy.engine.precision import quantize_weights, resolve_dtype, resolve_quantize
 
-    from foretell.proxy.engine.precision import resolve_dtype
-
-    dtype = resolve_dtype("auto", "cpu")
+    config = tiny_model.config
+    quantize = resolve_quantize("auto", "cpu", (config.vocab_size, config.hidden_size))
+    model = copy.deepcopy(tiny_model)
+    quantize_weights(model, quantize)
+    engine = SpeculativeEngine(model, tokenizer, dtype=resolve_dtype("auto", "cpu", quantize))
     prompt = "def area(width, height):\n    return"
-    engine = SpeculativeEngine(copy.deepcopy(tiny_model), tokenizer, dtype=dtype)
     plain = engine.generate(GenerationRequest(prompt_ids=tokenizer(prompt)["input_ids"], max_tokens=24))
     (tmp_path / "prompt.txt").write_text(prompt)
-    env = {k: v for k, v in os.environ.items() if k != "FORETELL_DTYPE"}
+    env = {k: v for k, v in os.environ.items() if k not in ("FORETELL_DTYPE", "FORETELL_QUANTIZE")}
     result = subprocess.run([sys.executable, "-m", "foretell.cli", "generate", "--model", str(tiny_model_folder),
                              "--prompt-file", str(tmp_path / "prompt.txt"), "--max-tokens", "24",
                              "--no-calibrate"], capture_output=True, text=True, env=env, timeout=600)
     assert result.returncode == 0, result.stderr
     assert f"precision {engine.precision}" in result.stderr
-    assert engine.precision == ("bfloat16+fp32-head" if dtype == torch.bfloat16 else "float32")
+    if quantize == "int8":
+        assert engine.precision == "float32/int8+fp32-head"
     assert result.stdout.rstrip("\n") == plain.text.rstrip("\n")
     assert "Failed to load" not in result.stderr and "Enum subclass" not in result.stderr  # torchao's noise
 
@@ -163,7 +166,7 @@ def test_serve_takes_the_precision_from_the_command_line_else_the_local_route(tm
     main(["serve", "--config", str(config), "--dtype", "bfloat16", "--no-fp32-head"])
     main(["serve"])
     assert [(s.dtype, s.quantize, s.fp32_head) for s in started] == [
-        ("float16", "int8", None), ("bfloat16", "int8", False), ("auto", "none", None)]
+        ("float16", "int8", None), ("bfloat16", "int8", False), ("auto", "auto", None)]
 
 
 def test_kernels_option(monkeypatch, capsys):

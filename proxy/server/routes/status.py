@@ -15,7 +15,8 @@ router = APIRouter()
 async def health(server: Server):
     if server.local is not None:
         local = server.local
-        return {"status": "ok", "model": local.name, "precision": local.precision, "kernels": local.kernels}
+        return {"status": "ok", "model": local.name, "precision": local.precision,
+                "batch_invariant": local.batch_invariant, "cpu": local.cpu, "kernels": local.kernels}
     if server.load_error:
         return JSONResponse({"status": "error", "error": server.load_error}, status_code=503)
     return JSONResponse({"status": "loading"}, status_code=503)

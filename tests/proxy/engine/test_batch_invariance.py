@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from foretell.proxy.engine import GenerationRequest, SpeculativeEngine
-from foretell.proxy.engine.invariant_attention import CHUNK, ROW_GROUP, fixed_split_attention, key_span
+from foretell.proxy.engine.invariant_attention import CHUNK, fixed_split_attention, key_span, row_group
 from foretell.proxy.engine.invariant_linear import Int8DynamicLinear, fbgemm_available, share_inputs
 from foretell.proxy.engine.precision import quantize_weights
 
@@ -36,26 +36,28 @@ def _rows_alone_equal_rows_together(layer, width: int, seed: int = 0) -> list[in
 
 def test_an_attention_product_row_depends_on_nothing_else_in_whole_row_groups():
     """The attention's products rest on this (MKL on x86): in a batched product whose rows are a
-    multiple of ROW_GROUP and whose columns are whole chunks, every row has the same bits however
-    many rows and chunks share it. (A partial group of 1-3 rows rounds otherwise, so the attention
-    pads its rows; checked too, so that this test can fail.)"""
+    multiple of the measured row group and whose columns are whole chunks, every row has the same
+    bits however many rows and chunks share it. (A partial group rounds otherwise, so the
+    attention pads its rows; checked too, so that this test can fail.)"""
     generator = torch.Generator().manual_seed(0)
     for head_dim in (32, 256):
+        ROW_GROUP = row_group(head_dim)
+        assert ROW_GROUP <= 32
         keys = torch.randn(3, CHUNK * 4, head_dim, generator=generator)
         queries = torch.randn(3, 264, head_dim, generator=generator)
         values = torch.randn(12, CHUNK, head_dim, generator=generator)
         weights = torch.rand(12, 264, CHUNK, generator=generator)
         scores = torch.bmm(queries, keys.transpose(1, 2))
         mixed = torch.bmm(weights, values)
-        for n in [*range(ROW_GROUP, 65, ROW_GROUP), 264]:
+        for n in [*range(ROW_GROUP, 65, ROW_GROUP), 264 // ROW_GROUP * ROW_GROUP]:
             for columns in (CHUNK, 2 * CHUNK, 4 * CHUNK):
                 assert torch.equal(torch.bmm(queries[:, :n], keys[:, :columns].transpose(1, 2)),
                                    scores[:, :n, :columns]), (head_dim, n, columns)
             for chunks in (1, 3, 12):
                 assert torch.equal(torch.bmm(weights[:chunks, :n], values[:chunks]), mixed[:chunks, :n]), \
                     (head_dim, n, chunks)
-        partial = [n for n in range(1, 12) if not torch.equal(torch.bmm(weights[:1, :n], values[:1]),
-                                                               mixed[:1, :n])]
+        partial = [n for n in range(1, 3 * ROW_GROUP) if not torch.equal(
+            torch.bmm(weights[:1, :n], values[:1]), mixed[:1, :n])]
         assert partial, "partial row groups round alike here: the padding would not be needed"
 
 
@@ -270,3 +272,20 @@ def test_embedded_model_at_the_default_gives_one_text(embedded_folder):
     assert runs[3].stats.target_passes < len(runs[3].token_ids) / 4
     for run in runs[1:]:
         assert _same(run, runs[0])
+
+
+def test_the_cpu_features_match_what_the_kernel_says():
+    """The features that choose kernels are the CPU's own (from /proc/cpuinfo on Linux)."""
+    from pathlib import Path
+
+    from foretell.proxy.engine.kernel_timing import cpu_features, describe_cpu
+
+    cpuinfo = Path("/proc/cpuinfo")
+    if not cpuinfo.is_file():
+        pytest.skip("no /proc/cpuinfo")
+    flags = set(next(line for line in cpuinfo.read_text().splitlines() if line.startswith("flags")).split())
+    found = cpu_features()
+    assert ("avx2" in found) == ("avx2" in flags)
+    assert ("avx512" in found) <= ("avx512f" in flags)
+    assert ("avx512_bf16" in found) <= ("avx512_bf16" in flags)
+    assert describe_cpu()["features"] == found

@@ -136,7 +136,9 @@ def test_health_answers_503_while_loading_then_200(server):
 
 def test_health_names_the_precision(server):
     # FORETELL_DTYPE=float32 (tests/conftest.py): the suite's oracle is the float32 model.
-    assert httpx.get(server["base"] + "/health").json()["precision"] == "float32"
+    health = httpx.get(server["base"] + "/health").json()
+    assert health["precision"] == "float32" and health["batch_invariant"] is False
+    assert health["cpu"]["threads"] >= 1 and isinstance(health["cpu"]["features"], list)
 
 
 def test_a_model_name_asked_for_while_loading_is_told_to_retry(server):

@@ -34,7 +34,7 @@ def test_default_upstream_from_the_environment():
     ("this is = not toml [", "not valid TOML"),
     ('[models.x]\nlocal = true\ndtyp = "bfloat16"\n', r"unknown keys \['dtyp'\]"),
     ('[models.x]\nlocal = true\ndtype = "fp8"\n', "dtype must be one of auto, float32, bfloat16, float16"),
-    ('[models.x]\nlocal = true\nquantize = "int2"\n', "quantize must be one of none, int8, int4"),
+    ('[models.x]\nlocal = true\nquantize = "int2"\n', "quantize must be one of auto, none, int8, int4"),
     ('[models.x]\nlocal = true\nfp32_head = "yes"\n', "fp32_head must be one of true, false"),
     ('[upstreams.a]\nbase_url = "http://127.0.0.1:9/v1"\n[models.x]\nupstream = "a"\nquantize = "int4"\n',
      "apply to a local model"),
