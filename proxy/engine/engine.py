@@ -106,7 +106,9 @@ class SpeculativeEngine:
         elif fp32_head and not rescorable:
             raise ValueError("the fp32 head reads the head's weight rows: it needs an unquantized "
                              "or int8 output head")
-        self.fp32_head = fp32_head and (self.dtype != torch.float32 or self.quantization != "none")
+        # Rescored where the head's logits are approximate: bf16/fp16, or int8 x int8.
+        self.fp32_head = fp32_head and (self.dtype != torch.float32
+                                        or isinstance(model.get_output_embeddings(), Int8DynamicLinear))
         self.tokenizer = tokenizer
         self.device = next(model.parameters()).device
         self.prefill_chunk = prefill_chunk
