@@ -5,8 +5,9 @@ Why: on a CPU without native bf16 (AVX2 alone, as most laptops and many VMs), th
 read 4 bytes a weight and PyTorch's int8 weight-only kernel (``aten._weight_int8pack_mm``) is
 compute-bound; FBGEMM's int8 x int8 kernel reads 1 byte a weight and multiplies with the CPU's
 integer dot products. Measured on an AVX2 EPYC (2 threads, docs/benchmarks.md): the
-262144 x 640 output head of the embedded model takes 61 ms at one row in float32, 143 ms
-weight-only int8, 11 ms here.
+262144 x 640 output head of the embedded model takes 54 ms at one row in float32, 81 ms
+weight-only int8, 10.8 ms here (``benchmarks/linear_kernels.py``; alike at 64 rows, where the
+two activation levels make 128 rows of integer products).
 
 Why it is *batch invariant*: each row is quantized with its own scale, and integer sums are exact
 whatever order the kernel adds in, so a row's output bits never depend on how many rows share
