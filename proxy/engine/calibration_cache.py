@@ -132,15 +132,19 @@ def _write(path: Path, parts: dict, pass_cost: PassCostModel, sampling_cost: Pas
              "pass_cost": {"fixed": pass_cost.fixed, "per_position": pass_cost.per_position},
              "sampling_cost": {"fixed": sampling_cost.fixed, "per_position": sampling_cost.per_position}}
     try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        # Written aside and renamed into place: a reader never sees half a file.
-        fd, temporary = tempfile.mkstemp(prefix=path.name, suffix=".tmp", dir=path.parent)
-        try:
-            with os.fdopen(fd, "w") as file:
-                json.dump(entry, file, indent=1)
-            os.replace(temporary, path)
-        except BaseException:
-            Path(temporary).unlink(missing_ok=True)
-            raise
+        write_json(path, entry)
     except OSError as error:  # a read-only cache folder: calibrate again next time
         _log(f"could not cache the calibration at {path}: {error}")
+
+
+def write_json(path: Path, data) -> None:
+    """Write ``data`` as JSON aside and rename it into place: a reader never sees half a file."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, temporary = tempfile.mkstemp(prefix=path.name, suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w") as file:
+            json.dump(data, file, indent=1)
+        os.replace(temporary, path)
+    except BaseException:
+        Path(temporary).unlink(missing_ok=True)
+        raise

@@ -90,6 +90,9 @@ class Int8DynamicLinear(torch.nn.Module):
         self.register_buffer("dequantized_norm", dequantized.norm(dim=1), persistent=False)  # [out]
         self.register_buffer("weight_error_norm", (weight - dequantized).norm(dim=1), persistent=False)
         self.register_buffer("weight_norm", weight.norm(dim=1), persistent=False)
+        # Their largest values, which every step's bound needs (reduced once, not per step).
+        self.largest_norms = (float(self.dequantized_norm.max()), float(self.weight_error_norm.max()),
+                              float(self.weight_norm.max()))
         self.last_residual_norm: torch.Tensor | None = None  # [n, 1] of the last forward
 
     def extra_repr(self) -> str:
@@ -148,9 +151,7 @@ class ProductErrorBound:
 
     def largest(self) -> torch.Tensor:
         """Per row [n, 1]: the bound's largest value over every token."""
-        layer = self.layer
-        return self._bound(self.hidden_norm, self.residual_norm, layer.dequantized_norm.max(),
-                           layer.weight_error_norm.max(), layer.weight_norm.max())
+        return self._bound(self.hidden_norm, self.residual_norm, *self.layer.largest_norms)
 
     def at(self, rows: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
         """The bound for (row, token) pairs [c]."""

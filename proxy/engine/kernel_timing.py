@@ -14,9 +14,7 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import statistics
-import tempfile
 import time
 from pathlib import Path
 
@@ -96,8 +94,10 @@ def _path() -> Path:
     return calibration_dir() / _FILE
 
 
-def measured(out_features: int, in_features: int, remeasure: bool = False) -> dict[str, float]:
+def measured(out_features: int, in_features: int) -> dict[str, float]:
     """This machine's timings for an (out, in) product: from the kept file, else measured now."""
+    from foretell.proxy.engine.calibration_cache import write_json
+
     key, path = _key(out_features, in_features), _path()
     try:
         known = json.loads(path.read_text())
@@ -106,23 +106,20 @@ def measured(out_features: int, in_features: int, remeasure: bool = False) -> di
     if not isinstance(known, dict):
         known = {}
     entry = known.get(key)
-    if remeasure or not (isinstance(entry, dict) and {"float32", "int8"} <= entry.keys()):
+    if not (isinstance(entry, dict) and {"float32", "int8"} <= entry.keys()):
         entry = time_kernels(out_features, in_features)
         known[key] = entry
-        try:  # written whole, then renamed: a reader never sees half a file
-            path.parent.mkdir(parents=True, exist_ok=True)
-            with tempfile.NamedTemporaryFile("w", dir=path.parent, delete=False, suffix=".tmp") as handle:
-                json.dump(known, handle, indent=1)
-            os.replace(handle.name, path)
-        except OSError as error:
+        try:
+            write_json(path, known)
+        except OSError as error:  # a read-only cache folder: timed again next start
             log.warning("could not keep the kernel timings at %s: %s", path, error)
-        log.info("timed the %dx%d product on this CPU (%s): float32 %.2f ms, int8 x int8 %.2f ms "
-                 "(rows %s)", out_features, in_features, ", ".join(cpu_features()) or "no AVX2",
+        log.info("timed the %dx%d product on this CPU (features: %s): float32 %.2f ms, int8 x int8 "
+                 "%.2f ms (rows %s)", out_features, in_features, ", ".join(cpu_features()) or "none",
                  1000 * entry["float32"], 1000 * entry["int8"], "+".join(map(str, TIMED_ROWS)))
     return entry
 
 
-def int8_beats_float32(shapes: list[tuple[int, int]], remeasure: bool = False) -> bool:
-    """Whether the int8 x int8 kernel takes less time than float32 over these (out, in) products."""
-    timings = [measured(out, inp, remeasure) for out, inp in shapes]
-    return sum(t["int8"] for t in timings) < sum(t["float32"] for t in timings)
+def int8_beats_float32(out_features: int, in_features: int) -> bool:
+    """Whether the int8 x int8 kernel is faster than float32 for an (out, in) product here."""
+    timing = measured(out_features, in_features)
+    return timing["int8"] < timing["float32"]

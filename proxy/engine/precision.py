@@ -164,7 +164,7 @@ def resolve_quantize(mode: str | None, device: str | torch.device, head_shape: t
         return mode
     if torch.device(device).type != "cpu" or not fbgemm_available():
         return "none"
-    return "int8" if int8_beats_float32([head_shape]) else "none"
+    return "int8" if int8_beats_float32(*head_shape) else "none"
 
 
 def quantize_weights(model, mode: str, fp32_head: bool = False) -> int:
@@ -282,9 +282,11 @@ def rescore_in_fp32(hidden: torch.Tensor, rows_of: Callable[[torch.Tensor], torc
     floor = top - bound.at(rows_n, leader[:, 0])[:, None]  # [n, 1]: logits_t - E_t
     line = floor - bound.largest()  # [n, 1]
     above = best.values >= line  # [n, 64]
+    full = above[:, -1].clone()  # [n]: rows with more candidates than topk returned
+    above &= ~full[:, None]  # those are searched in full below, not rescored twice
     rows = rows_n[:, None].expand_as(above)[above]  # [c]
     cols = best.indices[above]  # [c]
-    crowded = above[:, -1].nonzero()[:, 0]  # rows with more candidates than topk returned
+    crowded = full.nonzero()[:, 0]
     if crowded.numel():  # find them all (thousands in a flat row)
         more_rows, more_cols = torch.nonzero(scores[crowded] >= line[crowded], as_tuple=True)
         rows, cols = torch.cat([rows, crowded[more_rows]]), torch.cat([cols, more_cols])
