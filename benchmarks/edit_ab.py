@@ -1,7 +1,8 @@
-"""The edit benchmark, this tree beside an earlier commit, alternating rounds (A B A B) so that
-the machine's drift falls on both: what "within 5% of main" is measured with.
+"""The edit benchmark (or another, ``--script``), this tree beside an earlier commit, alternating
+rounds (A B A B) so that the machine's drift falls on both: what "within 5% of main" is measured
+with.
 
-    python benchmarks/edit_ab.py [--rounds 2] REF [-- edit_benchmark options]
+    python benchmarks/edit_ab.py [--rounds 2] [--script step_parts.py] REF [-- script options]
 
 Each round runs ``edit_benchmark.py`` (default options ``--skip-hf --files 3 --max-tokens 600``)
 as a subprocess, in float32 unless FORETELL_DTYPE says otherwise, first from this tree, then from
@@ -22,10 +23,11 @@ sys.path.insert(0, str(HERE))
 from load_benchmark import assemble_baseline, remove_baseline  # noqa: E402
 
 
-def command(site: str | None, options: list[str]) -> list[str]:
+def command(site: str | None, name: str, options: list[str]) -> list[str]:
     if site is None:
-        return [sys.executable, str(HERE / "edit_benchmark.py"), *options]
-    script = str(Path(site).parent / "tree" / "benchmarks" / "edit_benchmark.py")
+        return [sys.executable, str(HERE / name), *options]
+    script = Path(site).parent / "tree" / "benchmarks" / name
+    script = str(script if script.exists() else HERE / name)  # a new script runs against the old code
     launcher = ("import sys, runpy; sys.meta_path = [f for f in sys.meta_path if 'editable' not in "
                 f"type(f).__module__.lower()]; sys.path.insert(0, {site!r}); sys.argv = [{script!r}] + "
                 f"sys.argv[1:]; runpy.run_path({script!r}, run_name='__main__')")
@@ -36,10 +38,13 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("ref", help="the commit to compare with, e.g. main")
     parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--script", default="edit_benchmark.py", help="a script of benchmarks/ "
+                        "(default: edit_benchmark.py)")
     parser.add_argument("options", nargs="*", help="edit_benchmark.py's options, after -- (default: "
                         "--skip-hf --files 3 --max-tokens 600)")
     args = parser.parse_args()
-    args.options = args.options or ["--skip-hf", "--files", "3", "--max-tokens", "600"]
+    if not args.options and args.script == "edit_benchmark.py":
+        args.options = ["--skip-hf", "--files", "3", "--max-tokens", "600"]
     site = assemble_baseline(args.ref)
     env = dict(os.environ, HF_HUB_OFFLINE="1")
     env.setdefault("FORETELL_DTYPE", "float32")
@@ -47,7 +52,7 @@ def main() -> int:
     try:
         for round_ in range(1, args.rounds + 1):
             for name, tree in (("this tree", None), (args.ref, site)):
-                done = subprocess.run(command(tree, args.options), capture_output=True, text=True, env=env)
+                done = subprocess.run(command(tree, args.script, args.options), capture_output=True, text=True, env=env)
                 print(f"===== round {round_}: {name} (exit {done.returncode})\n{done.stdout}", flush=True)
                 failed |= done.returncode != 0
     finally:

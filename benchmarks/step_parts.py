@@ -1,0 +1,136 @@
+"""Where a plain decoding step's time goes.
+
+One engine at the default precision (or ``--dtype`` / ``--quantize``), one sequence decoding
+plainly after a ~230-token prompt. Prints the median step time over ``--steps`` steps, then the
+parts of a step timed by module hooks in a second run, by module class (nested: a decoder layer
+includes its attention and MLP blocks, a block its projections; ``Int8DynamicLinear`` counts the
+shared q/k/v and gate/up products again under ``SharedInputProjection``; the hooks add a few
+microseconds a call, so the step runs a little slower than unhooked).
+To see what a change buys, run it beside an earlier commit, alternating rounds:
+``edit_ab.py --script step_parts.py REF``.
+
+``--try-compile`` also times one non-matmul part, the int8 products' activation quantization
+(``invariant_linear.quantize_rows``, a dozen small operations), eager against ``torch.compile``
+(inductor, dynamic shapes) at 1, 17 and 65 rows, with the compile time and whether the bits agree.
+
+    python benchmarks/step_parts.py [--steps 60] [--dtype auto] [--quantize auto] [--try-compile]
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import os
+import statistics
+import sys
+import time
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import torch  # noqa: E402
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS  # noqa: E402
+
+from foretell.proxy.engine import GenerationRequest, SpeculativeEngine  # noqa: E402
+from foretell.proxy.engine import kv_cache  # noqa: E402
+from foretell.proxy.engine.model_loader import load_model  # noqa: E402
+
+PROMPT = "".join(f"def function_{i}(value):\n    return value * {i} + {i * i}\n\n" for i in range(12))
+
+
+def step_times(engine, seq, steps: int) -> list[float]:
+    times = []
+    for _ in range(steps):
+        start = time.perf_counter()
+        engine.step([seq])
+        times.append(time.perf_counter() - start)
+    return times
+
+
+def parts(engine, seq, steps: int) -> dict[str, float]:
+    """Milliseconds a step per module class (nested: a layer includes its projections)."""
+    spent = collections.defaultdict(float)
+    handles = []
+    for module in engine.model.modules():
+        name = type(module).__name__
+        if name.endswith(("Attention", "MLP", "RMSNorm", "DecoderLayer", "Linear", "Projection")):
+            def pre(m, *_):
+                m._started = time.perf_counter()
+
+            def post(m, *_, name=name):
+                spent[name] += time.perf_counter() - m._started
+            handles += [module.register_forward_pre_hook(pre), module.register_forward_hook(post)]
+    attend = ALL_ATTENTION_FUNCTIONS[kv_cache.ATTENTION_NAME]
+
+    def timed_attention(*args, **kwargs):
+        start = time.perf_counter()
+        try:
+            return attend(*args, **kwargs)
+        finally:
+            spent["paged attention (the function)"] += time.perf_counter() - start
+    ALL_ATTENTION_FUNCTIONS[kv_cache.ATTENTION_NAME] = timed_attention
+    try:
+        total = sum(step_times(engine, seq, steps))
+    finally:
+        ALL_ATTENTION_FUNCTIONS[kv_cache.ATTENTION_NAME] = attend
+        for handle in handles:
+            handle.remove()
+    table = {"whole step": 1000 * total / steps, **{k: 1000 * v / steps for k, v in spent.items()}}
+    layers = sum(v for k, v in table.items() if k.endswith("DecoderLayer"))
+    table["outside the decoder layers (embedding, output head and rescoring, the engine)"] = table["whole step"] - layers
+    return table
+
+
+def try_compile(width: int = 640) -> None:
+    from foretell.proxy.engine.invariant_linear import quantize_rows
+
+    def quantize(x):
+        levels, scales, residual = quantize_rows(x)
+        return torch.cat(levels), torch.cat(scales), residual
+
+    def median_us(function, x, calls: int = 300) -> float:
+        for _ in range(10):
+            function(x)
+        times = []
+        for _ in range(calls):
+            start = time.perf_counter()
+            function(x)
+            times.append(time.perf_counter() - start)
+        return 1e6 * statistics.median(times)
+
+    compiled = torch.compile(quantize, dynamic=True)
+    start = time.perf_counter()
+    compiled(torch.randn(2, width))
+    print(f"\ntorch.compile of the activation quantization: {time.perf_counter() - start:.1f} s to compile")
+    print("\n| rows | eager us | compiled us | same bits |\n|---|---|---|---|")
+    for rows in (1, 17, 65):
+        x = torch.randn(rows, width)
+        same = all(torch.equal(a, b) for a, b in zip(quantize(x), compiled(x)))
+        print(f"| {rows} | {median_us(quantize, x):.0f} | {median_us(compiled, x):.0f} | {same} |")
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--steps", type=int, default=60)
+    parser.add_argument("--dtype", default="auto")
+    parser.add_argument("--quantize", default="auto")
+    parser.add_argument("--try-compile", action="store_true")
+    args = parser.parse_args()
+    loaded = load_model(None, dtype=args.dtype, quantize=args.quantize)
+    engine = SpeculativeEngine(loaded.model, loaded.tokenizer)
+    prompt = loaded.tokenizer(PROMPT)["input_ids"]
+    seq = engine.add(GenerationRequest(prompt_ids=prompt, max_tokens=2 * args.steps + 8, prompt_lookup=False))
+    print(f"precision {engine.precision}, {len(prompt)} prompt tokens, {torch.get_num_threads()} threads")
+    with torch.inference_mode():
+        step_times(engine, seq, 5)  # the prefill and a warm-up
+        median = statistics.median(step_times(engine, seq, args.steps))
+        print(f"median step {1000 * median:.1f} ms ({1 / median:.1f} tok/s)")
+        print("\n| part (module hooks) | ms a step |\n|---|---|")
+        for name, ms in sorted(parts(engine, seq, args.steps).items(), key=lambda kv: -kv[1]):
+            print(f"| {name} | {ms:.2f} |")
+    if args.try_compile:
+        try_compile()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
