@@ -4,6 +4,7 @@ affinity policy, round-robin, the in-process ASGI call, the merged metrics and t
 from __future__ import annotations
 
 import asyncio
+import random
 
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
@@ -73,16 +74,35 @@ def test_affinity_keeps_a_prefix_on_its_replica_until_the_load_is_uneven():
 
 
 def test_new_prefixes_go_to_the_least_busy_then_to_the_replica_holding_least():
+    """Seeded draws: the fewest-hashes tie rule, not chance, must decide every load tie."""
     table = AffinityTable()
-    table.record(block_hashes(list(range(32))), "a")
+    table.record(block_hashes(list(range(32))), "a")  # a holds 2 hashes
+    table.record(block_hashes(list(range(200, 216))), "b")  # b holds 1, c none
     fresh = block_hashes(list(range(100, 132)))
-    assert rank_by_affinity(table, fresh, {"a": 0, "b": 1}, imbalance=4) == [["a"], ["b"]]
-    assert rank_by_affinity(table, fresh, {"a": 0, "b": 0}, imbalance=4) == [["b"], ["a"]]
-    assert rank_by_affinity(table, [], {"a": 2, "b": 1}, imbalance=4)[0] == ["b"]
+    for seed in range(20):
+        rng = random.Random(seed)
+        assert rank_by_affinity(table, fresh, {"a": 0, "b": 1, "c": 1}, imbalance=4, rng=rng)[0] == ["a"]
+        assert rank_by_affinity(table, fresh, {"a": 0, "b": 0, "c": 0}, imbalance=4, rng=rng) == \
+            [["c"], ["b", "a"]]
+        assert rank_by_affinity(table, [], {"a": 2, "b": 1, "c": 3}, imbalance=4, rng=rng)[0] == ["b"]
     # Equal on load and on what they hold: either, not always the same one.
     even = {"a": 0, "b": 0, "c": 0}
     table.forget("a")
-    assert {rank_by_affinity(table, [], even, imbalance=4)[0][0] for _ in range(50)} == {"a", "b", "c"}
+    table.forget("b")
+    rng = random.Random(0)
+    firsts = {rank_by_affinity(table, [], even, imbalance=4, rng=rng)[0][0] for _ in range(50)}
+    assert firsts == {"a", "b", "c"}
+
+
+def test_the_affinity_owner_keeps_a_request_at_exactly_the_imbalance_and_sheds_one_past_it():
+    """The shedding bound is inclusive, measured from the least busy replica (not from zero)."""
+    table = AffinityTable()
+    prompt = block_hashes(list(range(64)))
+    table.record(prompt, "a")
+    assert rank_by_affinity(table, prompt, {"a": 6, "b": 2, "c": 3}, imbalance=4) == [["a"], ["b", "c"]]
+    assert rank_by_affinity(table, prompt, {"a": 7, "b": 2, "c": 3}, imbalance=4)[0] == ["b"]
+    assert rank_by_affinity(table, prompt, {"a": 0, "b": 0}, imbalance=0)[0] == ["a"]
+    assert rank_by_affinity(table, prompt, {"a": 1, "b": 0}, imbalance=0)[0] == ["b"]
 
 
 def test_the_table_forgets_a_replica_and_stays_within_its_capacity():

@@ -51,6 +51,19 @@ def test_the_most_frequent_continuation_is_drafted():
     assert proposal_after(cache, "a", 8)[:1] == [502]
 
 
+def test_a_prompt_longer_than_the_depth_drafts_from_its_tail():
+    """A long prompt's match is sought for its last ``max_depth`` tokens, not its first."""
+    cache = DraftCache(max_depth=8)
+    complete(cache, "a")
+    head = list(range(200, 212))  # tokens nothing earlier continues, but the prompt itself does
+    source = cache.source("a", head + OUTPUT[:8])  # 20 tokens: only the tail matches the earlier output
+    assert source.propose(16) == OUTPUT[8:12]  # the head would draft the prompt's own 208..211
+    source.close(completed=False)
+    source = cache.source("a", OUTPUT[:8] + head)  # the earlier output at the head: no match
+    assert source.propose(16) == []
+    source.close(completed=False)
+
+
 def test_a_request_drafts_from_its_own_prompt_and_output():
     cache = DraftCache()
     source = cache.source("a", PROMPT + [7, 8, 9, 10, 11, 12])
