@@ -306,8 +306,9 @@ def build_parser() -> argparse.ArgumentParser:
         help="run the OpenAI-compatible proxy (local model with speculation, others upstream)",
         description=(
             "Serve an OpenAI-compatible API (POST /v1/completions, POST /v1/chat/completions, "
-            "GET /v1/models, GET /health, GET /metrics). The local model runs on the speculative "
-            "engine; requests for other models go to the upstreams of --config or "
+            "GET /v1/models, GET /health, GET /metrics; vLLM's POST /tokenize and POST /detokenize "
+            "for the local model) and the playground page at GET /. The local model runs on the "
+            "speculative engine; requests for other models go to the upstreams of --config or "
             "FORETELL_UPSTREAM_BASE_URL / FORETELL_UPSTREAM_API_KEY. Every option also reads "
             "the environment variable named in its help."
         ),
@@ -436,7 +437,8 @@ def build_parser() -> argparse.ArgumentParser:
                       help="ask a foretell server not to use prompt lookup as the prediction's fallback")
     edit.add_argument("--color", choices=CHOICES, default="auto",
                       help="colour the printed file by token origin, as the server reports it: green "
-                           "from the prediction, cyan from prompt lookup (default: auto, when stdout "
+                           "from the prediction, cyan from prompt lookup, magenta from the draft cache "
+                           "of earlier answers, plain the model's own (default: auto, when stdout "
                            "is a terminal and NO_COLOR is unset; not with --diff or --write)")
     edit.add_argument("--timeout", type=_seconds, default=None, metavar="S",
                       help="seconds the whole edit may take, from connecting to the last token "

@@ -27,8 +27,8 @@ from foretell.sdk.errors import (
     APIConnectionError,
     APIStatusError,
     APITimeoutError,
-    _redact,
     error_from_body,
+    redact,
 )
 
 FORETELL_HEADER = "x-foretell-version"
@@ -133,7 +133,7 @@ class _Transport:
             self.kind = "openai-compatible"
 
     def connection_error(self, error: Exception, request: httpx.Request) -> APIConnectionError:
-        detail = _redact(str(error) or type(error).__name__, self.secrets)
+        detail = redact(str(error) or type(error).__name__, self.secrets)
         url = str(request.url)
         if isinstance(error, httpx.TimeoutException):
             return APITimeoutError(f"request to {url} timed out: {detail}", method=request.method,
@@ -186,7 +186,7 @@ class _Transport:
         return delay
 
     def safe_url(self, request: httpx.Request) -> str:
-        return _redact(str(request.url), self.secrets)
+        return redact(str(request.url), self.secrets)
 
     def prepare_attempt(self, request: httpx.Request, timeout: Any, deadline: Deadline | None) -> None:
         """Raises the deadline's error when no time is left, else cuts the timeouts to it."""

@@ -1,6 +1,6 @@
 """The SDK's exceptions and its warning class.
 
-Every error that carries text from a request or a response is built through ``_redact`` with the
+Every error that carries text from a request or a response is built through ``redact`` with the
 client's API key, so the key never shows in ``str()``, ``repr()``, ``.message`` or ``.body``, not
 even when a server echoes it back in its error message.
 """
@@ -140,7 +140,7 @@ def status_error_class(status: int) -> type[APIStatusError]:
     return _BY_STATUS.get(status, APIStatusError)
 
 
-def _redact(value: Any, secrets: Iterable[str]) -> Any:
+def redact(value: Any, secrets: Iterable[str]) -> Any:
     """``value`` with every secret replaced, inside strings, lists and dicts."""
     secrets = [s for s in secrets if s]
     if not secrets:
@@ -150,9 +150,9 @@ def _redact(value: Any, secrets: Iterable[str]) -> Any:
             value = value.replace(secret, REDACTED)
         return value
     if isinstance(value, dict):
-        return {_redact(k, secrets): _redact(v, secrets) for k, v in value.items()}
+        return {redact(k, secrets): redact(v, secrets) for k, v in value.items()}
     if isinstance(value, (list, tuple)):
-        return [_redact(v, secrets) for v in value]
+        return [redact(v, secrets) for v in value]
     return value
 
 
@@ -163,7 +163,7 @@ def error_from_body(status: int | None, body: Any, *, request_id: str | None,
     (tolerating other shapes). ``status`` None means an error event inside a stream: the status
     comes from an integer ``code`` (as vLLM sends), else from OpenAI's error ``type``, else 500."""
     secrets = tuple(secrets)
-    body = _redact(body, secrets)
+    body = redact(body, secrets)
     detail = body.get("error") if isinstance(body, dict) else None
     if isinstance(detail, str):
         detail = {"message": detail}
@@ -172,7 +172,7 @@ def error_from_body(status: int | None, body: Any, *, request_id: str | None,
     message = detail.get("message") or (body.get("message") if isinstance(body, dict) else None)
     if not message:
         # Redact before cutting, so that a key across the cut cannot leave a prefix behind.
-        message = _redact(fallback_text.strip(), secrets)[:500] or "the server answered an error"
+        message = redact(fallback_text.strip(), secrets)[:500] or "the server answered an error"
     if status is None:
         code = detail.get("code")
         if isinstance(code, int) and 400 <= code < 600:

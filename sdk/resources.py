@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from foretell.sdk._deadline import Deadline, check_seconds
-from foretell.sdk.errors import ForetellError, _redact
+from foretell.sdk.errors import ForetellError, redact
 from foretell.sdk.estimates import prediction_issues
 from foretell.sdk.prediction import PredictionInput, normalize_prediction
 from foretell.sdk.raw_response import RawResponse
@@ -125,7 +125,7 @@ def _parse(call_type: type, response, secrets) -> Any:
     try:
         data = response.json()
     except ValueError:
-        text = _redact(response.text, secrets)[:200]
+        text = redact(response.text, secrets)[:200]
         raise ForetellError(f"the server answered {response.status_code} with a body that is not "
                             f"JSON: {text!r}") from None
     parsed = call_type.from_dict(data)

@@ -21,7 +21,7 @@ from typing import Any, AsyncIterator, Generic, Iterator, TypeVar
 import httpx
 
 from foretell.sdk._deadline import Deadline, within
-from foretell.sdk.errors import APIConnectionError, ForetellError, _redact
+from foretell.sdk.errors import APIConnectionError, ForetellError, redact
 
 T = TypeVar("T")
 
@@ -91,7 +91,7 @@ class _Events:
         try:
             payload = json.loads(event.data)
         except ValueError:
-            text = _redact(event.data, self.transport.secrets)[:200]
+            text = redact(event.data, self.transport.secrets)[:200]
             raise ForetellError(f"the server sent an event that is not JSON: {text!r}") from None
         if event.event == "error" or (isinstance(payload, dict) and payload.get("error") is not None):
             raise self.transport.stream_error(payload, self.response)

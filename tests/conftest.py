@@ -61,6 +61,18 @@ def embedded(embedded_folder):
 
 
 @pytest.fixture(scope="session")
+def greedy(tiny_model, tokenizer) -> str:
+    """The tiny model's greedy answer to GREEDY_PROMPT (GREEDY_TOKENS tokens; tests/helpers.py):
+    as a prediction, every token can come from it."""
+    from foretell.proxy.engine import GenerationRequest, SpeculativeEngine
+    from tests.helpers import GREEDY_PROMPT, GREEDY_TOKENS
+
+    engine = SpeculativeEngine(tiny_model, tokenizer)
+    ids = tokenizer(GREEDY_PROMPT)["input_ids"]
+    return engine.generate(GenerationRequest(prompt_ids=ids, max_tokens=GREEDY_TOKENS)).text
+
+
+@pytest.fixture(scope="session")
 def tiny_model_folder(tmp_path_factory, tiny_model, tokenizer):
     """The tiny model saved as a Hugging Face folder, for commands that load a model by path."""
     folder = tmp_path_factory.mktemp("tiny-gemma")

@@ -6,6 +6,11 @@ import re
 
 import torch
 
+# The ``greedy`` fixture's request (tests/conftest.py): the tests of origin colours and spans
+# send the tiny model's own answer to it as the prediction.
+GREEDY_PROMPT = "def total(items):\n    result = 0\n"
+GREEDY_TOKENS = 24
+
 
 def build_tiny_gemma(tokenizer, seed: int = 0):
     """A 4-layer Gemma 3 with the real 262k vocabulary and a short sliding window (8), so that

@@ -31,7 +31,11 @@ from foretell.proxy.server.schema import APIError
 log = logging.getLogger("foretell.server")
 
 FORETELL_VERSION = __version__.encode()
-KNOWN_PATHS = {"/health", "/metrics", "/v1/models", "/v1/completions", "/v1/chat/completions"}
+# Each path the server serves has its own label in the metrics; any other is "other", so that
+# a client probing random paths cannot grow the label set. The playground's three are
+# routes/playground.py's FILES (not imported: routes/tokens.py imports this module).
+KNOWN_PATHS = {"/health", "/metrics", "/v1/models", "/v1/completions", "/v1/chat/completions",
+               "/tokenize", "/detokenize", "/", "/static/playground.css", "/static/playground.js"}
 LOOPBACK_NAMES = ("127.0.0.1", "localhost", "[::1]")
 
 
@@ -90,7 +94,7 @@ class GuardMiddleware:
                                 "--allowed-hosts naming it", code="host_not_allowed")
         if self.settings.api_keys and (path.startswith("/v1/")
                                        or (path == "/metrics" and not self.settings.metrics_public)):
-            _check_key(headers.get("authorization", ""), self.settings.api_keys)
+            check_key(headers.get("authorization", ""), self.settings.api_keys)
         if scope["method"] == "POST" and path.startswith("/v1/"):
             media_type = headers.get("content-type", "").partition(";")[0].strip().lower()
             if media_type != "application/json":
@@ -147,7 +151,7 @@ def _incoming_request_id(scope) -> str | None:
     return None
 
 
-def _check_key(header: str, keys: tuple[str, ...]) -> None:
+def check_key(header: str, keys: tuple[str, ...]) -> None:
     scheme, _, token = header.partition(" ")
     if scheme.lower() != "bearer" or not token:
         raise APIError(401, "missing API key: send 'Authorization: Bearer <key>'",

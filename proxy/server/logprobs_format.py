@@ -15,7 +15,7 @@ from __future__ import annotations
 import re
 
 # A byte-fallback token's piece in SentencePiece vocabularies (Gemma, Llama): one raw byte.
-_BYTE_PIECE = re.compile(r"<0x([0-9A-Fa-f]{2})>")
+BYTE_PIECE = re.compile(r"<0x([0-9A-Fa-f]{2})>")
 
 
 class TokenTexts:
@@ -38,7 +38,7 @@ class TokenTexts:
     def bytes(self, token_id: int) -> list[int]:
         if token_id not in self.byte_cache:
             piece = self.tokenizer.convert_ids_to_tokens(token_id)
-            match = _BYTE_PIECE.fullmatch(piece) if isinstance(piece, str) else None
+            match = BYTE_PIECE.fullmatch(piece) if isinstance(piece, str) else None
             self.byte_cache[token_id] = ([int(match.group(1), 16)] if match
                                          else list(self(token_id).encode("utf-8")))
         return self.byte_cache[token_id]

@@ -22,7 +22,7 @@ from __future__ import annotations
 import codecs
 from collections import deque
 
-from foretell.proxy.server.logprobs_format import _BYTE_PIECE
+from foretell.proxy.server.logprobs_format import BYTE_PIECE
 
 
 class OriginSpans:
@@ -48,7 +48,7 @@ class OriginSpans:
                 cached = b""
             else:
                 piece = self.tokenizer.convert_ids_to_tokens(token_id)
-                match = _BYTE_PIECE.fullmatch(piece) if isinstance(piece, str) else None
+                match = BYTE_PIECE.fullmatch(piece) if isinstance(piece, str) else None
                 cached = (bytes([int(match.group(1), 16)]) if match else
                           self.tokenizer.decode([token_id], skip_special_tokens=True).encode("utf-8"))
             self.bytes_of[token_id] = cached

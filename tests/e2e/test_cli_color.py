@@ -17,11 +17,11 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import pytest
 
 from foretell.origin_colors import RESET, STYLES, paint, paint_within, use_color
+from tests.helpers import GREEDY_PROMPT, GREEDY_TOKENS
 
 GREEN, CYAN = STYLES["prediction"], STYLES["prompt_lookup"]
 ANSI = re.compile(r"\x1b\[[0-9;]*m")
-PROMPT = "def total(items):\n    result = 0\n"
-TOKENS = 24
+PROMPT, TOKENS = GREEDY_PROMPT, GREEDY_TOKENS  # the greedy fixture's request
 
 
 class Terminal(io.StringIO):
@@ -56,15 +56,6 @@ def test_paint_within_colours_the_file_inside_the_answer():
 
 
 # ---- foretell generate ----------------------------------------------------------------------------
-
-@pytest.fixture(scope="module")
-def greedy(tiny_model, tokenizer) -> str:
-    from foretell.proxy.engine import GenerationRequest, SpeculativeEngine
-
-    engine = SpeculativeEngine(tiny_model, tokenizer)
-    ids = tokenizer(PROMPT)["input_ids"]
-    return engine.generate(GenerationRequest(prompt_ids=ids, max_tokens=TOKENS)).text
-
 
 @pytest.fixture(scope="module")
 def files(tmp_path_factory, greedy):

@@ -31,6 +31,21 @@ def test_python_dash_m_foretell_is_the_command():
     assert result.stdout.startswith("usage: foretell edit")
 
 
+def test_help_names_every_path_served_and_every_origin_colour():
+    from foretell.origin_colors import STYLES
+
+    serve = " ".join(run("serve", "--help").stdout.split())  # argparse wraps the lines
+    for route in ("POST /tokenize", "POST /detokenize", "playground page at GET /"):
+        assert route in serve, route
+    edit = " ".join(run("edit", "--help").stdout.split())
+    colours = {"prediction": ("\x1b[32m", "green from the prediction"),
+               "prompt_lookup": ("\x1b[36m", "cyan from prompt lookup"),
+               "suffix_cache": ("\x1b[35m", "magenta from the draft cache")}
+    assert set(colours) == set(STYLES)  # a new origin needs its colour in the help too
+    for origin, (style, words) in colours.items():
+        assert STYLES[origin] == style and words in edit, origin
+
+
 @pytest.mark.parametrize("variable,value,reason", [
     ("FORETELL_PORT", "abc", "must be an integer"),
     ("FORETELL_MAX_QUEUE", "0", "must be a positive integer, got 0"),

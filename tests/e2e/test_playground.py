@@ -17,6 +17,7 @@ import pytest
 
 from foretell.sdk.edit import build_edit_prompt, extract_edited_text
 from tests.e2e.live_server import live_server
+from tests.helpers import GREEDY_PROMPT, GREEDY_TOKENS
 from tests.serving import serve, tiny_app
 from tests.proxy.server.upstream_stub import StubServer
 
@@ -24,8 +25,7 @@ CHROMIUM = os.environ.get("FORETELL_CHROMIUM", "/usr/bin/chromium")
 CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
                  "--disable-component-update", "--disable-sync", "--no-first-run"]
 KEY = "sk-playground-test"
-PROMPT = "def total(items):\n    result = 0\n"
-TOKENS = 24
+PROMPT, TOKENS = GREEDY_PROMPT, GREEDY_TOKENS  # the greedy fixture's request
 WAIT_MS = 240_000
 
 
@@ -88,15 +88,6 @@ def page(browser, served):
     tab = Page(browser, served.base)
     yield tab
     tab.close()
-
-
-@pytest.fixture(scope="module")
-def greedy(served) -> str:
-    """The tiny model's greedy answer to PROMPT: as a prediction, every token can come from it."""
-    response = httpx.post(served.base + "/v1/completions", timeout=120, json={
-        "model": "tiny", "prompt": PROMPT, "max_tokens": TOKENS, "temperature": 0})
-    response.raise_for_status()
-    return response.json()["choices"][0]["text"]
 
 
 def run_prompt(tab: Page, prompt: str, prediction: str, max_tokens: int) -> None:

@@ -10,7 +10,7 @@ from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse
 
 from foretell.proxy.server.body import JsonBody
-from foretell.proxy.server.guard import _check_key
+from foretell.proxy.server.guard import check_key
 from foretell.proxy.server.prompts import chat_prompt, prompt_ids
 from foretell.proxy.server.schema import APIError, DetokenizeRequest, TokenizeRequest, validate
 from foretell.proxy.server.state import Server
@@ -18,7 +18,7 @@ from foretell.proxy.server.state import Server
 
 def _check(request: Request, server: Server) -> None:
     if server.settings.api_keys:
-        _check_key(request.headers.get("authorization", ""), server.settings.api_keys)
+        check_key(request.headers.get("authorization", ""), server.settings.api_keys)
     media_type = request.headers.get("content-type", "").partition(";")[0].strip().lower()
     if media_type != "application/json":
         raise APIError(415, "send the body as JSON, with 'Content-Type: application/json'",

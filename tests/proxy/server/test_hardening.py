@@ -19,7 +19,7 @@ import torch
 from foretell.proxy.engine.prediction_usage import prediction_token_usage
 from foretell.proxy.engine.sampling import target_probs
 from foretell.proxy.server import upstream as upstream_module
-from foretell.proxy.server.guard import allowed_hosts, host_allowed
+from foretell.proxy.server.guard import KNOWN_PATHS, allowed_hosts, host_allowed
 from foretell.proxy.server.redact import Redactor
 from tests.helpers import assert_envelope
 from tests.proxy.server.upstream_stub import StubServer
@@ -374,6 +374,22 @@ def test_metrics_public_opens_metrics_only():
     client = _app(api_keys=("k",), metrics_public=True, allowed_hosts=("somewhere",))
     assert client.get("/metrics").status_code == 200
     assert client.get("/v1/models").status_code == 401
+
+
+def test_every_served_path_has_its_own_label_in_the_metrics():
+    from foretell.proxy.server.routes import ROUTERS
+
+    assert {route.path for router in ROUTERS for route in router.routes} <= KNOWN_PATHS
+    client = _app(allowed_hosts=("somewhere",))
+    pages = ("/", "/static/playground.css", "/static/playground.js")
+    for path in pages:
+        assert client.get(path).status_code == 200
+    for path in ("/tokenize", "/detokenize"):  # 503: no model here, counted all the same
+        client.post(path, json={"prompt": "x", "tokens": [1]})
+    client.get("/nothing-here")
+    labels = {line.partition('endpoint="')[2].partition('"')[0]
+              for line in client.get("/metrics").text.splitlines() if line.startswith("foretell_requests_total")}
+    assert labels == {*pages, "/tokenize", "/detokenize", "other"}
 
 
 def test_allowed_hosts_star_allows_any_host():

@@ -9,22 +9,14 @@ import json
 import httpx
 import pytest
 
-PROMPT = "def total(items):\n    result = 0\n"
-TOKENS = 24
+from tests.helpers import GREEDY_PROMPT, GREEDY_TOKENS
+
+PROMPT, TOKENS = GREEDY_PROMPT, GREEDY_TOKENS  # the greedy fixture's request
 
 
 @pytest.fixture(scope="module")
 def served(tiny_server):
     return tiny_server
-
-
-@pytest.fixture(scope="module")
-def greedy(served) -> str:
-    """The tiny model's greedy answer to PROMPT: as a prediction, every token can come from it."""
-    response = httpx.post(served.base + "/v1/completions", timeout=120, json={
-        "model": "tiny", "prompt": PROMPT, "max_tokens": TOKENS, "temperature": 0})
-    response.raise_for_status()
-    return response.json()["choices"][0]["text"]
 
 
 def events(base: str, path: str, body: dict) -> list[dict]:
