@@ -16,6 +16,7 @@ import bisect
 import re
 from collections import defaultdict
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 
 class PredictionSource:
@@ -43,12 +44,14 @@ class PredictionSource:
     INITIAL_RUN_CHARS = 32
     CHARS_PER_TOKEN = 4  # rough, only used to turn agreed characters into a confidence
 
-    def __init__(self, tokenizer, prediction: str):
+    def __init__(self, tokenizer, prediction: str, encoding: "PredictionEncoding | None" = None):
+        """``encoding``: the prediction already tokenised (``PredictionEncoding.of``), as the server
+        does off the engine's thread; None tokenises it here."""
         self.tokenizer = tokenizer
         self.text = prediction
-        encoded = tokenizer(prediction, add_special_tokens=False, return_offsets_mapping=True)
-        self.token_ids: list[int] = list(encoded["input_ids"])
-        self.token_starts: list[int] = [start for start, _ in encoded["offset_mapping"]]
+        encoding = encoding or PredictionEncoding.of(tokenizer, prediction)
+        self.token_ids: list[int] = encoding.token_ids
+        self.token_starts: list[int] = encoding.token_starts
         self.cursor: int | None = 0  # the output starts where the prediction starts
         self.last_cursor = 0  # where the output left the prediction; re-anchoring starts here
         self.observed_chars = 0
@@ -190,6 +193,21 @@ class PromptLookupSource:
 
     def observe(self, output_ids: list[int], output_text: str) -> None:
         self._extend(output_ids[len(self.tokens) - self.prompt_length :])
+
+
+@dataclass(frozen=True)
+class PredictionEncoding:
+    """A prediction's token ids and each token's first character: a megabyte of prediction takes
+    most of a second to tokenise, so the server does it once per request, beside the prompt and
+    off the thread that runs the engine's passes, and every choice shares it."""
+
+    token_ids: list[int]
+    token_starts: list[int]
+
+    @classmethod
+    def of(cls, tokenizer, prediction: str) -> "PredictionEncoding":
+        encoded = tokenizer(prediction, add_special_tokens=False, return_offsets_mapping=True)
+        return cls(list(encoded["input_ids"]), [start for start, _ in encoded["offset_mapping"]])
 
 
 class TextPieces:

@@ -9,6 +9,12 @@ prompt, the others are admitted once its prompt blocks are in the prefix cache a
 
 Events are typed (``TokensEvent``, ``DoneEvent``, ``ErrorEvent``); a request that fails does not
 disturb the others.
+
+Nothing slow runs on the worker thread beside the passes: a finished choice's prediction usage (a
+diff of the prediction and the output, a second for a megabyte) is counted by a second thread,
+in a child process for a long prediction (``prediction_usage.count_away``), which then calls
+``on_result`` and sends the ``DoneEvent``; the prediction is tokenised by the caller
+(``GenerationRequest.prediction_encoding``).
 """
 
 from __future__ import annotations
@@ -16,9 +22,11 @@ from __future__ import annotations
 import asyncio
 import threading
 from collections import deque
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 from foretell.proxy.engine.sequence import GenerationRequest, GenerationResult, Sequence, TokenLogprob
+from foretell.proxy.prediction_usage import count_away
 
 
 class QueueFullError(Exception):
@@ -82,6 +90,8 @@ class Scheduler:
         self._active: list[Job] = []  # jobs with a running or not yet admitted choice
         self._wake = threading.Condition()
         self._closed = False
+        # Finished choices are completed here, in order, off the worker thread.
+        self._finisher = ThreadPoolExecutor(1, thread_name_prefix="foretell-finish")
         self._thread = threading.Thread(target=self._run, name="foretell-engine", daemon=True)
         self._thread.start()
 
@@ -112,6 +122,7 @@ class Scheduler:
         with self._wake:
             self._closed = True
             self._wake.notify()
+        self._finisher.shutdown(wait=False)
 
     # ---- the worker thread -------------------------------------------------------------------
 
@@ -161,11 +172,20 @@ class Scheduler:
         if update.result is not None:
             del job.sequences[choice]
             job.done += 1
-            if self.on_result is not None:
-                self.on_result(update.result)
-            job.emit(DoneEvent(choice, update.result))
+            self._finish(update.sequence, update.result, job, choice)
             if job.done == len(job.requests):
                 self._active.remove(job)
+
+    def _finish(self, seq: Sequence, result: GenerationResult, job: Job | None = None, choice: int = 0) -> None:
+        """Count the prediction's usage, then report the result (to ``on_result``, and as the
+        job's DoneEvent unless the job was cancelled): on the finisher thread."""
+        def finish() -> None:
+            seq.count_prediction_usage(count_away)  # writes into result.stats
+            if self.on_result is not None:
+                self.on_result(result)
+            if job is not None:
+                job.emit(DoneEvent(choice, result))
+        self._finisher.submit(finish)
 
     def _fail(self, job: Job, error: Exception) -> None:
         for seq in job.sequences.values():
@@ -186,9 +206,7 @@ class Scheduler:
                 self._waiting.remove(job)
         for job in [job for job in self._active if job.cancelled.is_set()]:
             for seq in job.sequences.values():
-                result = self.engine.abort(seq)  # frees its blocks before the next step
-                if self.on_result is not None:
-                    self.on_result(result)
+                self._finish(seq, self.engine.abort(seq))  # frees its blocks before the next step
             job.sequences.clear()
             self._active.remove(job)
 
@@ -224,6 +242,7 @@ class Scheduler:
                 return running
             if seq is None:
                 break
+            seq.defer_prediction_usage = True  # counted by _finish, off this thread
             job.sequences[job.next_choice] = seq
             job.next_choice += 1
             running += 1

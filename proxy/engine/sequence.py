@@ -12,6 +12,7 @@ import time
 from dataclasses import dataclass, field
 
 from foretell.proxy.engine.kv_cache import SequenceBlocks
+from foretell.proxy.engine.draft_sources import PredictionEncoding
 from foretell.proxy.engine.sampling import SpeculativeSampler
 from foretell.proxy.engine.speculation import Output, Speculation, draft_sources
 from foretell.proxy.engine.stats import GenerationStats
@@ -22,6 +23,9 @@ class GenerationRequest:
     prompt_ids: list[int]
     max_tokens: int = 256
     prediction: str | None = None
+    # The prediction tokenised (``PredictionEncoding.of``) where the caller did it off the
+    # engine's thread; None: the engine tokenises it when the request is admitted.
+    prediction_encoding: PredictionEncoding | None = None
     # Prompt lookup: None means "as the fallback when a prediction is given, else off".
     prompt_lookup: bool | None = None
     # The tenant scope of the engine's draft cache of earlier outputs (``draft_cache.py``) this
@@ -93,7 +97,8 @@ class Sequence(Speculation):
         self.prompt = list(request.prompt_ids)
         eos = frozenset(eos_token_ids) | frozenset(request.stop_token_ids)
         super().__init__(Output(tokenizer, request.stop, max_tokens, eos),
-                         draft_sources(tokenizer, self.prompt, request.prediction, request.prompt_lookup),
+                         draft_sources(tokenizer, self.prompt, request.prediction, request.prompt_lookup,
+                                       request.prediction_encoding),
                          request.max_draft, prompt_tokens=len(self.prompt))
         self.blocks = blocks
         self.sampler = None
@@ -105,6 +110,9 @@ class Sequence(Speculation):
             [] if request.prompt_logprobs is not None else None)
         self.pending = self.prompt[-1]
         self.admitted_at = time.perf_counter()
+        # Set by a caller that counts the prediction's usage itself, off the engine's thread
+        # (``Speculation.count_prediction_usage``; the scheduler does).
+        self.defer_prediction_usage = False
         self.first_verify_at: float | None = None
         if draft_cache is not None and request.draft_cache_scope is not None:  # last: it opens an entry
             self.add_source(draft_cache.source(request.draft_cache_scope, self.prompt))
@@ -129,8 +137,9 @@ class Sequence(Speculation):
                               logprobs, result=result)
 
     def finish(self, reason: str | None = None) -> GenerationResult:
-        """Close the sequence (``reason`` for a cancellation) and build its result."""
-        self.close(reason)
+        """Close the sequence (``reason`` for a cancellation) and build its result (its prediction
+        usage still to count where ``defer_prediction_usage`` is set)."""
+        self.close(reason, count_usage=not self.defer_prediction_usage)
         if self.first_verify_at is not None:
             self.stats.decode_seconds = time.perf_counter() - self.first_verify_at
         return GenerationResult(token_ids=self.output.keys, text=self.output.text, finish_reason=self.finish_reason,

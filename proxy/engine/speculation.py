@@ -24,19 +24,19 @@ from __future__ import annotations
 
 from foretell.proxy.engine.detokenizer import IncrementalDetokenizer, StopStringHold
 from foretell.proxy.engine.draft_length import AcceptanceEstimate, DraftOption
-from foretell.proxy.engine.draft_sources import PredictionSource, PromptLookupSource
-from foretell.proxy.engine.prediction_usage import prediction_token_usage
+from foretell.proxy.engine.draft_sources import PredictionEncoding, PredictionSource, PromptLookupSource
 from foretell.proxy.engine.stats import GenerationStats, SourceStats
+from foretell.proxy.prediction_usage import prediction_token_usage
 
 
 def draft_sources(tokenizer, prompt_keys: list | None, prediction: str | None,
-                  prompt_lookup: bool | None) -> list:
-    """A request's draft sources: its prediction, then prompt lookup (by default on beside a
-    prediction, off without one). Without the prompt's keys yet, lookup starts later
-    (``Speculation.start_lookup``)."""
+                  prompt_lookup: bool | None, prediction_encoding: PredictionEncoding | None = None) -> list:
+    """A request's draft sources: its prediction (``prediction_encoding``: already tokenised),
+    then prompt lookup (by default on beside a prediction, off without one). Without the prompt's
+    keys yet, lookup starts later (``Speculation.start_lookup``)."""
     sources = []
     if prediction:
-        sources.append(PredictionSource(tokenizer, prediction))
+        sources.append(PredictionSource(tokenizer, prediction, prediction_encoding))
     if wants_lookup(prediction, prompt_lookup) and prompt_keys is not None:
         sources.append(PromptLookupSource(prompt_keys))
     return sources
@@ -245,9 +245,10 @@ class Speculation:
 
     # ---- the end ------------------------------------------------------------------------
 
-    def close(self, reason: str | None = None) -> None:
+    def close(self, reason: str | None = None, count_usage: bool = True) -> None:
         """End the output (``reason`` where it did not end by itself, e.g. a cancellation) and
-        complete the statistics, the prediction's usage included."""
+        complete the statistics, the prediction's usage included unless ``count_usage`` is False
+        (the caller then calls ``count_prediction_usage`` itself, off its hot thread)."""
         if reason is not None:
             self.output.end(reason)
         self.stats.completion_tokens = len(self.output.keys)
@@ -255,6 +256,16 @@ class Speculation:
         for source in self.sources:
             if hasattr(source, "close"):  # a source with shared state (the draft cache) lets go of it
                 source.close(completed)
-            if isinstance(source, PredictionSource):  # (an estimate where the tokens are pieces of text)
-                accepted, rejected = prediction_token_usage(source.text, source.token_starts, self.output.text)
+        if count_usage:
+            self.count_prediction_usage()
+
+    def count_prediction_usage(self, count=None) -> None:
+        """The prediction's accepted / rejected token counts (an estimate where the tokens are
+        pieces of text), by ``count(prediction, token_starts, output_text)`` (None:
+        ``prediction_token_usage`` here): a diff of two texts, about a second of pure Python for
+        a megabyte of prediction."""
+        count = count or prediction_token_usage
+        for source in self.sources:
+            if isinstance(source, PredictionSource):
+                accepted, rejected = count(source.text, source.token_starts, self.output.text)
                 self.stats.accepted_prediction_tokens, self.stats.rejected_prediction_tokens = accepted, rejected

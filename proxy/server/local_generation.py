@@ -8,7 +8,9 @@ import asyncio
 
 from fastapi import Request
 
+from foretell.proxy.engine.draft_sources import PredictionEncoding
 from foretell.proxy.engine.scheduler import TokensEvent
+from foretell.proxy.prediction_usage import CHILD_PROCESS_CHARS, start_child
 from foretell.proxy.server.draft_scope import draft_cache_scope, key_identity
 from foretell.proxy.server.local_jobs import LocalJob, answer
 from foretell.proxy.server.logprobs_format import (
@@ -25,19 +27,29 @@ from foretell.proxy.server.responses import Shape, engine_usage, finish_reason, 
 
 async def run(request: Request, server, local, parsed, plan: RequestPlan):
     """Answer ``parsed`` on ``local``; QueueFullError when the scheduler's queue is full."""
-    # Templates and tokenisation take seconds on a large prompt: off the event loop.
+    # Templates and tokenisation take seconds on a large prompt or prediction: off the event loop,
+    # and off the engine's thread (which would stall every running stream for as long).
     async with server.prompt_slots:
-        prompt_ids = await asyncio.to_thread(request_prompt_ids, local.tokenizer, parsed, plan.is_chat,
-                                             local.context)
+        prompt_ids, prediction = await asyncio.to_thread(_tokenise, local.tokenizer, parsed, plan, local.context)
     settings = server.settings
     key = key_identity(request.headers.get("authorization")) if settings.api_keys else None
     scope = draft_cache_scope(settings.draft_cache_scope, key, parsed.user, plan.draft_cache)
-    choices = engine_requests(parsed, plan, prompt_ids, local, draft_cache_scope=scope)
+    choices = engine_requests(parsed, plan, prompt_ids, local, draft_cache_scope=scope,
+                              prediction_encoding=prediction)
     shape, texts = Shape(local.name, plan.is_chat), TokenTexts(local.tokenizer)
     origins = OriginSpans(local.tokenizer, choices[0].stop) if plan.report_origins and parsed.stream else None
     return await answer(request, server, local, choices, parsed.stream,
                         lambda job: _chunks(job, shape, texts, plan.include_usage, origins),
                         lambda results: _body(shape, texts, results))
+
+
+def _tokenise(tokenizer, parsed, plan: RequestPlan, context: int | None):
+    prompt_ids = request_prompt_ids(tokenizer, parsed, plan.is_chat, context)
+    if not plan.prediction:
+        return prompt_ids, None
+    if len(plan.prediction) >= CHILD_PROCESS_CHARS:  # its usage will be counted there: start it now
+        start_child()
+    return prompt_ids, PredictionEncoding.of(tokenizer, plan.prediction)
 
 
 def _body(shape: Shape, texts: TokenTexts, results) -> dict:

@@ -12,6 +12,7 @@ import dataclasses
 from dataclasses import dataclass
 
 from foretell.proxy.engine import GenerationRequest
+from foretell.proxy.engine.draft_sources import PredictionEncoding
 from foretell.proxy.server.schema import APIError, ChatCompletionRequest
 
 # OpenAI's default length of a legacy completion; chat defaults to settings.default_max_tokens.
@@ -62,12 +63,13 @@ def plan(parsed, settings) -> RequestPlan:
 
 
 def engine_requests(parsed, plan: RequestPlan, prompt_ids: list[int], local,
-                    prompt_logprobs: int | None = None,
-                    draft_cache_scope: str | None = None) -> list[GenerationRequest]:
+                    prompt_logprobs: int | None = None, draft_cache_scope: str | None = None,
+                    prediction_encoding: PredictionEncoding | None = None) -> list[GenerationRequest]:
     """The engine requests of a local generation, one per choice; APIError 400 when the
     completion cannot fit the model's context, or for ``n > 1`` in a stream. ``prompt_logprobs``:
     the prompt's log-probabilities with that many alternatives (echo); ``draft_cache_scope``: the
-    tenant scope whose earlier answers it drafts from (``draft_scope.py``; None: none)."""
+    tenant scope whose earlier answers it drafts from (``draft_scope.py``; None: none);
+    ``prediction_encoding``: the prediction tokenised already, shared by every choice."""
     tokens = max(plan.max_tokens, 1)  # a score-only echo runs one token, which is dropped
     if local.context is not None and tokens > local.context - len(prompt_ids):
         raise APIError(400, f"max_tokens {plan.max_tokens} plus the prompt's {len(prompt_ids)} tokens "
@@ -77,6 +79,7 @@ def engine_requests(parsed, plan: RequestPlan, prompt_ids: list[int], local,
         raise APIError(400, "n > 1 is not supported with stream", param="n")
     first = GenerationRequest(
         prompt_ids=prompt_ids, max_tokens=tokens, prediction=plan.prediction, prompt_lookup=plan.prompt_lookup,
+        prediction_encoding=prediction_encoding,
         # A chat answer also ends where the model starts the next turn (LocalModel.chat_stops).
         stop=plan.stop + (local.chat_stops if plan.is_chat else ()),
         stop_token_ids=local.chat_stop_token_ids if plan.is_chat else (),

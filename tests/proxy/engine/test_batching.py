@@ -218,3 +218,58 @@ def test_n_siblings_share_the_first_choices_cached_prompt(tiny_model, tokenizer)
     assert shared >= 2 * block
     assert [results[i].stats.cached_tokens for i in range(3)] == [0, shared, shared]
     assert results[0].token_ids == results[1].token_ids == results[2].token_ids
+
+
+def test_a_long_predictions_usage_is_counted_off_the_engines_thread(tiny_model, tokenizer, monkeypatch):
+    """Nothing slow on the step thread (issue 29): a prediction tokenised by the caller is used as
+    given, and a long prediction's usage (a diff, a second for a megabyte) is counted by the
+    finisher, in a child process, before ``on_result`` and the DoneEvent, with the figures the
+    engine alone computes."""
+    import asyncio
+    import threading
+
+    from foretell.proxy import prediction_usage
+    from foretell.proxy.engine import speculation
+    from foretell.proxy.engine.draft_sources import PredictionEncoding
+    from foretell.proxy.engine.scheduler import DoneEvent, ErrorEvent, Scheduler
+
+    engine = SpeculativeEngine(tiny_model, tokenizer, kv_cache_tokens=4096)
+    prompt = tokenizer("Repeat the file:\n")["input_ids"]
+    prediction = "".join(f"line {i}: value = {i * 7 % 13}\n" for i in range(2000))
+    assert len(prediction) >= prediction_usage.CHILD_PROCESS_CHARS
+    request = GenerationRequest(prompt_ids=prompt, max_tokens=24, prediction=prediction,
+                                prediction_encoding=PredictionEncoding.of(tokenizer, prediction))
+    alone = engine.generate(GenerationRequest(prompt_ids=prompt, max_tokens=24, prediction=prediction))
+    counted_on = []  # the threads that tokenised the prediction or counted its usage in this process
+
+    def spy(*args):
+        counted_on.append(threading.current_thread().name)
+        return prediction_usage.prediction_token_usage(*args)
+    monkeypatch.setattr(speculation, "prediction_token_usage", spy)
+    encode = PredictionEncoding.of.__func__
+    monkeypatch.setattr(PredictionEncoding, "of", classmethod(
+        lambda cls, *args: counted_on.append("tokenised on " + threading.current_thread().name) or encode(cls, *args)))
+    reported = []
+    scheduler = Scheduler(engine, on_result=lambda result: reported.append(
+        (threading.current_thread().name, result.stats.accepted_prediction_tokens,
+         result.stats.rejected_prediction_tokens)))
+
+    async def run():
+        job = scheduler.submit(request)
+        while True:
+            event = await asyncio.wait_for(job.events.get(), timeout=120)
+            assert not isinstance(event, ErrorEvent), event.error
+            if isinstance(event, DoneEvent):
+                return event.result
+
+    try:
+        result = asyncio.run(run())
+    finally:
+        scheduler.close()
+    assert result.token_ids == alone.token_ids
+    usage = (alone.stats.accepted_prediction_tokens, alone.stats.rejected_prediction_tokens)
+    assert sum(usage) == len(request.prediction_encoding.token_ids) > 0
+    assert (result.stats.accepted_prediction_tokens, result.stats.rejected_prediction_tokens) == usage
+    assert len(reported) == 1 and reported[0][0].startswith("foretell-finish") and reported[0][1:] == usage
+    assert counted_on == []  # neither the engine's thread nor the finisher: the child process did
+    assert prediction_usage._child is not None

@@ -18,7 +18,7 @@ from foretell.proxy.engine.draft_length import (
 )
 from foretell.proxy.engine.draft_sources import PromptLookupSource
 from foretell.proxy.engine.kv_cache import SequenceBlocks
-from foretell.proxy.engine.prediction_usage import prediction_token_usage
+from foretell.proxy.prediction_usage import prediction_token_usage
 from foretell.proxy.engine.sequence import GenerationRequest, Sequence
 
 COST = PassCostModel(fixed=0.07, per_position=0.004)

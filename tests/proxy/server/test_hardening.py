@@ -16,7 +16,7 @@ import httpx
 import pytest
 import torch
 
-from foretell.proxy.engine.prediction_usage import prediction_token_usage
+from foretell.proxy.prediction_usage import prediction_token_usage
 from foretell.proxy.engine.sampling import target_probs
 from foretell.proxy.server import upstream as upstream_module
 from foretell.proxy.server.guard import KNOWN_PATHS, allowed_hosts, host_allowed
