@@ -90,4 +90,4 @@ class LocalJob:
                 self.metrics.inter_token_latency.labels(name).observe(
                     (now - self.first) / (result.stats.completion_tokens - 1))
         self.metrics.e2e_latency.labels(name).observe(now - self.started)
-        note_result(self.request.scope, result)
+        note_result(self.request.scope, result.stats)

@@ -46,9 +46,9 @@ def note(scope, **fields) -> None:
     scope.setdefault(_SCOPE_KEY, {}).update(fields)
 
 
-def note_result(scope, result) -> None:
-    """Add a finished choice's counts (``n > 1`` choices add up; tok/s over the slowest)."""
-    stats = result.stats
+def note_result(scope, stats) -> None:
+    """Add a finished choice's counts, its ``GenerationStats`` (``n > 1`` choices add up; tok/s
+    over the slowest): the local engine's and remote verification's alike."""
     noted = scope.setdefault(_SCOPE_KEY, {})
     noted["prompt_tokens"] = stats.prompt_tokens
     noted["cached_tokens"] = stats.cached_tokens

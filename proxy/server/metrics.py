@@ -68,6 +68,12 @@ class Metrics:
         self.prefix_cache_hits = Counter("foretell_prefix_cache_hits",
                                          "Prompt tokens whose KV came from the prefix cache", ["model"],
                                          registry=r)
+        self.accepted_prediction_tokens = Counter(
+            "foretell_accepted_prediction_tokens", "Prediction tokens the output kept (OpenAI's usage "
+            "figure)", ["model"], registry=r)
+        self.rejected_prediction_tokens = Counter(
+            "foretell_rejected_prediction_tokens", "Prediction tokens the output did not keep", ["model"],
+            registry=r)
         self.target_passes = Counter("foretell_spec_decode_num_target_passes",
                                      "Target forward passes after prefill", ["model"], registry=r)
         self.drafts = Counter("foretell_spec_decode_num_drafts", "Rounds that verified a draft",
@@ -85,7 +91,11 @@ class Metrics:
             ["model", "position"], registry=r)
 
     def record_generation(self, model: str, stats, finish_reason: str) -> None:
+        """A finished generation's figures: ``model`` is the local model's served name, or the
+        upstream's name for a request it verified remotely."""
         self.request_success.labels(model, finish_reason).inc()
+        self.accepted_prediction_tokens.labels(model).inc(stats.accepted_prediction_tokens)
+        self.rejected_prediction_tokens.labels(model).inc(stats.rejected_prediction_tokens)
         self.prompt_tokens.labels(model).inc(stats.prompt_tokens)
         self.prefix_cache_queries.labels(model).inc(stats.prompt_tokens)
         self.prefix_cache_hits.labels(model).inc(stats.cached_tokens)

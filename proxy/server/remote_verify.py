@@ -73,6 +73,8 @@ from fastapi.responses import JSONResponse
 from foretell.proxy.engine.draft_length import DraftOption, OnlinePassCost, PassCostModel, choose_drafts
 from foretell.proxy.engine.draft_sources import PredictionSource, TextPieces
 from foretell.proxy.engine.speculation import Output, Speculation, draft_sources
+from foretell.proxy.prediction_usage import count_away
+from foretell.proxy.server.logs import note_result
 from foretell.proxy.server.prompts import chat_prompt, end_of_turn_ids
 from foretell.proxy.server.redact import Redactor
 from foretell.proxy.server.responses import ClientGone, Shape, client_gone, engine_usage, stream_response
@@ -285,8 +287,10 @@ class UpstreamState:
 class RemoteVerifier:
     """Remote verification for every upstream that has it on; see the module's docstring."""
 
-    def __init__(self, settings, forwarder):
-        self.settings, self.forwarder = settings, forwarder
+    def __init__(self, settings, forwarder, metrics=None):
+        """``metrics``: the server's ``Metrics``, where each finished request's figures are
+        counted under its upstream's name (a bounded label: the caller's model names are not)."""
+        self.settings, self.forwarder, self.metrics = settings, forwarder, metrics
         self.states = {name: UpstreamState(upstream) for name, upstream in settings.routes.upstreams.items()
                        if upstream.verify_predictions != "off"}
         self.tasks: list[asyncio.Task] = []
@@ -427,6 +431,14 @@ class RemoteVerifier:
 
         session = Session(self, state, parsed.model, prompt, special, plan.max_tokens, plan.stop,
                           plan.prediction, lookup, plan.max_draft or DEFAULT_MAX_DRAFT, request_id, gone, eos_ids)
+
+        async def finished() -> tuple[dict, dict]:
+            """The usage and report, the request's figures given to its access line and metrics."""
+            usage, report = await session.usage()
+            note_result(request.scope, session.stats)
+            if self.metrics is not None:
+                self.metrics.record_generation(upstream.name, session.stats, session.out.finish_reason or "stop")
+            return usage, report
         shape = Shape(parsed.model, plan.is_chat)
         headers = {"x-foretell-upstream": upstream.name,
                    "x-foretell-note": "prediction verified remotely (echo with prompt logprobs)"}
@@ -436,7 +448,7 @@ class RemoteVerifier:
                     pass
             except ClientGone:
                 return client_gone()
-            usage, report = await session.usage()
+            usage, report = await finished()
             choice = shape.choice(0, session.out.text, session.out.finish_reason or "stop")
             return JSONResponse(shape.body([choice], usage, report), headers=headers)
         events = session.events()
@@ -445,7 +457,8 @@ class RemoteVerifier:
         except BaseException:
             await events.aclose()
             raise
-        return stream_response(_chunks(shape, session, events, first, plan.include_usage), headers=headers)
+        return stream_response(_chunks(shape, session, events, first, plan.include_usage, finished),
+                               headers=headers)
 
 
 # ---- the loop ---------------------------------------------------------------------------------
@@ -914,7 +927,9 @@ class Session:
         """(usage, speculation report) of the request, once its output is done."""
         stats = self.stats
         stats.prompt_tokens = len(self.prompt_keys) if self.prompt_keys is not None else 0
-        await asyncio.to_thread(self.spec.close)  # the prediction's usage: a diff of two texts
+        self.spec.close(count_usage=False)
+        # The prediction's usage, a diff of two texts: away from the event loop and the GIL.
+        await asyncio.to_thread(self.spec.count_prediction_usage, count_away)
         stats.decode_seconds = time.perf_counter() - self.started
         report = {**stats.speculation_report(), "seed": None, "upstream_requests": self.requests,
                   "upstream_prompt_tokens": self.prompt_tokens_sent,
@@ -940,9 +955,11 @@ async def _sse_events(response: httpx.Response):
 
 # ---- response shapes ----------------------------------------------------------------------------
 
-async def _chunks(shape: Shape, session: Session, events, first: str | None, include_usage: bool):
+async def _chunks(shape: Shape, session: Session, events, first: str | None, include_usage: bool, finished):
     """A stream's chunks: ``first`` (the first round's text) and the session's further pieces,
-    then the finish and the usage. An upstream that fails mid-stream is a 502 error event."""
+    then the finish and the usage (``finished()``, which also reports the request's figures,
+    whether the client asked for the usage or not). An upstream that fails mid-stream is a 502
+    error event."""
     async with contextlib.aclosing(events):
         try:
             if shape.is_chat:
@@ -955,6 +972,6 @@ async def _chunks(shape: Shape, session: Session, events, first: str | None, inc
         except RemoteFailure as failure:
             raise APIError(502, str(failure), type="upstream_error", code="upstream_error") from None
     yield shape.finish_chunk(session.out.finish_reason or "stop")
+    usage, report = await finished()
     if include_usage:
-        usage, report = await session.usage()
         yield shape.usage_chunk(usage, report)

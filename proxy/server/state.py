@@ -29,7 +29,7 @@ class ServerState:
         self.settings = settings
         self.metrics = Metrics()
         self.forwarder = Forwarder()
-        self.remote = RemoteVerifier(settings, self.forwarder)  # predictions verified by upstreams
+        self.remote = RemoteVerifier(settings, self.forwarder, self.metrics)  # predictions verified by upstreams
         self.prompt_slots = asyncio.Semaphore(MAX_PROMPTS_IN_PREPARATION)
         self.local: LocalModel | None = None
         self.load_error: str | None = None

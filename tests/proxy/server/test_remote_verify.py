@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import re
+import time
 
 import httpx
 import pytest
@@ -306,6 +307,58 @@ def test_edits_equal_the_upstreams_own_greedy_text(servers, reference, streamed)
     details = final["usage"]["completion_tokens_details"]
     assert details["accepted_prediction_tokens"] > 20 and details["rejected_prediction_tokens"] >= 1
     assert final["usage"]["completion_tokens"] == N
+
+
+def _access_fields(servers, request_id: str) -> dict:
+    """The access line's fields; a stream's line is written once the server has sent its end,
+    which may be just after the client has read it: waited for."""
+    deadline = time.monotonic() + 60
+    while True:
+        lines = [line for line in servers["log"]().splitlines()
+                 if line.startswith("INFO foretell.access: " + request_id + " ")]
+        if lines or time.monotonic() > deadline:
+            (line,) = lines
+            return dict(part.split("=", 1) for part in line.split() if "=" in part)
+        time.sleep(0.05)
+
+
+def _metric(base: str, name: str, labels: str) -> float:
+    text = httpx.get(base + "/metrics", timeout=30).text
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith(name + "{") and labels in line.split("}")[0])
+
+
+@pytest.mark.parametrize("streamed", [False, True], ids=["json", "stream"])
+def test_a_remotely_verified_request_reports_its_counts(servers, reference, streamed):
+    """The access line and the metrics carry a remotely verified request's figures as they do a
+    local one's (they were null: issue 29), a stream's too when it did not ask for the usage."""
+    before = {name: _metric(servers["proxy"], name, 'model="up"') for name in
+              ("foretell_generation_tokens_total", "foretell_accepted_prediction_tokens_total",
+               "foretell_spec_decode_num_target_passes_total", "foretell_request_success_total")}
+    body = {"model": "tiny", "prompt": PROMPT, "max_tokens": N, "temperature": 0,
+            "prediction": {"type": "content", "content": _edit(reference)}}
+    request_id = f"rv-counts-{'stream' if streamed else 'json'}"
+    headers = {"x-request-id": request_id}
+    if streamed:
+        with httpx.stream("POST", servers["proxy"] + "/v1/completions", json={**body, "stream": True},
+                          headers=headers, timeout=300) as response:
+            assert response.status_code == 200
+            text = "".join(json.loads(line[6:])["choices"][0]["text"] for line in response.iter_lines()
+                           if line.startswith("data: {"))
+    else:
+        response = httpx.post(servers["proxy"] + "/v1/completions", json=body, headers=headers, timeout=300)
+        assert response.status_code == 200, response.text
+        text = response.json()["choices"][0]["text"]
+    assert text == reference
+    fields = _access_fields(servers, request_id)
+    assert fields["route"] == "up" and int(fields["completion_tokens"]) == N
+    assert int(fields["prompt_tokens"]) > 0 and int(fields["accepted_prediction_tokens"]) > 20
+    assert int(fields["rejected_prediction_tokens"]) >= 1 and int(fields["target_passes"]) >= 2
+    after = {name: _metric(servers["proxy"], name, 'model="up"') for name in before}
+    assert after["foretell_generation_tokens_total"] - before["foretell_generation_tokens_total"] == N
+    assert after["foretell_accepted_prediction_tokens_total"] - before["foretell_accepted_prediction_tokens_total"] > 20
+    assert after["foretell_spec_decode_num_target_passes_total"] > before["foretell_spec_decode_num_target_passes_total"]
+    assert after["foretell_request_success_total"] - before["foretell_request_success_total"] == 1
 
 
 @pytest.mark.parametrize("streamed", [False, True], ids=["json", "stream"])
