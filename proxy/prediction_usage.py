@@ -8,11 +8,11 @@ rejects nothing, even though the tokens around the seam differ.
 
 from __future__ import annotations
 
-import multiprocessing
 import os
+import pickle
+import subprocess
+import sys
 import threading
-from concurrent.futures import ProcessPoolExecutor
-from concurrent.futures.process import BrokenProcessPool
 from difflib import SequenceMatcher
 
 
@@ -61,33 +61,61 @@ def prediction_token_usage(prediction: str, token_starts: list[int], completion:
 
 # Predictions at least this long are counted in a child process: the diff is pure Python, and in
 # a thread of the server's process it would hold the GIL that the engine's thread needs between
-# every tensor operation (measured: one decoding step waited out a whole 3 s diff). This module
-# imports nothing heavy, so that child starts in a fraction of a second.
+# every tensor operation (measured: one decoding step waited out a whole 3 s diff). The child is
+# this module run as a program (not multiprocessing, whose children import the parent's main
+# script again), at a lower priority than the engine's threads; it imports nothing heavy.
 CHILD_PROCESS_CHARS = 32 * 1024
-_child: ProcessPoolExecutor | None = None
+
+
+class _Child:
+    def __init__(self):
+        self.process = subprocess.Popen([sys.executable, "-m", __name__], stdin=subprocess.PIPE,
+                                        stdout=subprocess.PIPE)
+        self.lock = threading.Lock()
+
+    def count(self, *args) -> tuple[int, int]:
+        with self.lock:  # one question at a time on the pipe
+            pickle.dump(args, self.process.stdin)
+            self.process.stdin.flush()
+            return pickle.load(self.process.stdout)
+
+
+_child: _Child | None = None
 _child_lock = threading.Lock()
 
 
-def start_child() -> ProcessPoolExecutor:
-    """The child process that counts long predictions, started if it is not running (a caller
-    that knows a long prediction is coming starts it early)."""
+def start_child() -> None:
+    """Start the child that counts long predictions, if it is not running (a caller that knows
+    a long prediction is coming starts it early)."""
     global _child
     with _child_lock:
-        if _child is None:  # spawn: never fork a process that runs torch's threads
-            _child = ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn"),
-                                         initializer=os.nice, initargs=(10,))
-            _child.submit(int)  # start it now, not at the first count
-        return _child
+        if _child is None or _child.process.poll() is not None:
+            _child = _Child()
 
 
 def count_away(prediction: str, token_starts: list[int], completion: str) -> tuple[int, int]:
     """``prediction_token_usage``, computed in the child process for a long prediction (blocks
-    the calling thread, not the GIL); here for a short one, or where no child can start."""
-    global _child
+    the calling thread, not the GIL); here for a short one, or where the child cannot run."""
     if len(prediction) >= CHILD_PROCESS_CHARS:
         try:
-            return start_child().submit(prediction_token_usage, prediction, token_starts, completion).result()
-        except (OSError, BrokenProcessPool):
-            with _child_lock:
-                _child = None
+            start_child()
+            return _child.count(prediction, token_starts, completion)
+        except (OSError, EOFError, pickle.PickleError):
+            pass
     return prediction_token_usage(prediction, token_starts, completion)
+
+
+def _serve() -> None:
+    """The child: (prediction, token starts, completion) in, (accepted, rejected) out, on pipes."""
+    os.nice(10)
+    while True:
+        try:
+            args = pickle.load(sys.stdin.buffer)
+        except EOFError:  # the server has gone
+            return
+        pickle.dump(prediction_token_usage(*args), sys.stdout.buffer)
+        sys.stdout.buffer.flush()
+
+
+if __name__ == "__main__":
+    _serve()
