@@ -272,14 +272,14 @@ class SpeculativeEngine:
         alone = self.cost.prior + self.sampling_cost
         for seq in verifying:
             if seq.sampler is not None:
-                source, length = choose_step_drafts([seq.draft_options()], 1, alone)[0]
-                seq.set_draft(source, length)
+                source, length = choose_step_drafts([seq.speculation.draft_options()], 1, alone)[0]
+                seq.speculation.set_draft(source, length)
                 fixed += length
         greedy = [seq for seq in verifying if seq.sampler is None]
-        choices = choose_step_drafts([seq.draft_options() for seq in greedy], fixed, self.pass_cost,
+        choices = choose_step_drafts([seq.speculation.draft_options() for seq in greedy], fixed, self.pass_cost,
                                      max_positions=fixed + self.max_draft_positions)
         for seq, (source, length) in zip(greedy, choices):
-            seq.set_draft(source, length)
+            seq.speculation.set_draft(source, length)
         return plan
 
     def _forward(self, feeds: list[tuple[SequenceBlocks, list[int], int | None]]) -> torch.Tensor:

@@ -180,7 +180,7 @@ class Scheduler:
         """Count the prediction's usage, then report the result (to ``on_result``, and as the
         job's DoneEvent unless the job was cancelled): on the finisher thread."""
         def finish() -> None:
-            seq.count_prediction_usage(count_away)  # writes into result.stats
+            seq.speculation.count_prediction_usage(count_away)  # writes into result.stats
             if self.on_result is not None:
                 self.on_result(result)
             if job is not None:

@@ -11,8 +11,8 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
-from foretell.proxy.engine.kv_cache import SequenceBlocks
 from foretell.proxy.engine.draft_sources import PredictionEncoding
+from foretell.proxy.engine.kv_cache import SequenceBlocks
 from foretell.proxy.engine.sampling import SpeculativeSampler
 from foretell.proxy.engine.speculation import Output, Speculation, draft_sources
 from foretell.proxy.engine.stats import GenerationStats
@@ -87,19 +87,22 @@ class SequenceUpdate:
     error: Exception | None = None  # set when this sequence failed (the others go on)
 
 
-class Sequence(Speculation):
+class Sequence:
     """A request in flight in the engine: its speculation (``speculation.py``: sources, output,
-    statistics) plus its place in the KV cache, its sampler and its log-probabilities."""
+    statistics, shared with remote verification) plus its place in the KV cache, its sampler and
+    its log-probabilities. It holds the speculation rather than extending it, so that its own
+    ``accept`` (with log-probabilities) keeps a signature of its own."""
 
     def __init__(self, request: GenerationRequest, max_tokens: int, tokenizer, device,
                  eos_token_ids: frozenset[int], blocks: SequenceBlocks, draft_cache=None):
         self.request = request
         self.prompt = list(request.prompt_ids)
         eos = frozenset(eos_token_ids) | frozenset(request.stop_token_ids)
-        super().__init__(Output(tokenizer, request.stop, max_tokens, eos),
-                         draft_sources(tokenizer, self.prompt, request.prediction, request.prompt_lookup,
-                                       request.prediction_encoding),
-                         request.max_draft, prompt_tokens=len(self.prompt))
+        self.speculation = Speculation(
+            Output(tokenizer, request.stop, max_tokens, eos),
+            draft_sources(tokenizer, self.prompt, request.prediction, request.prompt_lookup,
+                          request.prediction_encoding),
+            request.max_draft, prompt_tokens=len(self.prompt))
         self.blocks = blocks
         self.sampler = None
         if request.temperature > 0:
@@ -115,7 +118,25 @@ class Sequence(Speculation):
         self.defer_prediction_usage = False
         self.first_verify_at: float | None = None
         if draft_cache is not None and request.draft_cache_scope is not None:  # last: it opens an entry
-            self.add_source(draft_cache.source(request.draft_cache_scope, self.prompt))
+            self.speculation.add_source(draft_cache.source(request.draft_cache_scope, self.prompt))
+
+    # What the engine reads of the speculation, named here.
+    @property
+    def stats(self) -> GenerationStats:
+        return self.speculation.stats
+
+    @property
+    def output(self) -> Output:
+        return self.speculation.output
+
+    @property
+    def finished(self) -> bool:
+        return self.speculation.finished
+
+    @property
+    def draft(self) -> list:
+        """The draft chosen for this round (``set_draft``), verified after the pending token."""
+        return self.speculation.draft
 
     @property
     def uncached_prompt(self) -> int:
@@ -127,22 +148,24 @@ class Sequence(Speculation):
         if self.first_verify_at is None:
             self.first_verify_at = time.perf_counter()
             self.stats.prefill_seconds = self.first_verify_at - self.admitted_at
-        kept = super().accept(accepted, new_tokens)
+        kept = self.speculation.accept(accepted, new_tokens)
         if logprobs is not None:
             logprobs = logprobs[: len(kept)]
             self.logprobs.extend(logprobs)
         self.pending = kept[-1]
         result = self.finish() if self.finished else None
-        return SequenceUpdate(self, kept, self.output.release(), self.origins[len(self.origins) - len(kept):],
+        origins = self.speculation.origins
+        return SequenceUpdate(self, kept, self.output.release(), origins[len(origins) - len(kept):],
                               logprobs, result=result)
 
     def finish(self, reason: str | None = None) -> GenerationResult:
         """Close the sequence (``reason`` for a cancellation) and build its result (its prediction
         usage still to count where ``defer_prediction_usage`` is set)."""
-        self.close(reason, count_usage=not self.defer_prediction_usage)
+        self.speculation.close(reason, count_usage=not self.defer_prediction_usage)
         if self.first_verify_at is not None:
             self.stats.decode_seconds = time.perf_counter() - self.first_verify_at
-        return GenerationResult(token_ids=self.output.keys, text=self.output.text, finish_reason=self.finish_reason,
-                                stats=self.stats, token_origins=self.origins, logprobs=self.logprobs,
+        return GenerationResult(token_ids=self.output.keys, text=self.output.text,
+                                finish_reason=self.speculation.finish_reason, stats=self.stats,
+                                token_origins=self.speculation.origins, logprobs=self.logprobs,
                                 prompt_logprobs=self.prompt_logprobs,
                                 seed=self.sampler.seed if self.sampler is not None else None)

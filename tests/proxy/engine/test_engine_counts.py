@@ -178,8 +178,8 @@ def test_a_draft_leaves_room_for_the_rounds_own_token(engine, case, max_tokens):
     seq = engine.add(GenerationRequest(prompt_ids=case.prompt_ids, max_tokens=max_tokens, prediction=case.text))
     tokens, rounds = [], 0
     while not seq.finished:
-        offered = {option.source: option.available for option in seq.draft_options()}
-        assert offered["prediction"] == seq.room - 1, (offered, seq.room)
+        offered = {option.source: option.available for option in seq.speculation.draft_options()}
+        assert offered["prediction"] == seq.speculation.room - 1, (offered, seq.speculation.room)
         for update in engine.step([seq]):
             tokens += update.token_ids
         rounds += 1

@@ -51,7 +51,7 @@ def run_round(new, prev, stop, eos, max_tokens, accepted=0):
 ])
 def test_stop_decisions(new, prev, stop, eos, max_tokens, keep, reason):
     seq, update = run_round(new, prev, stop, eos, max_tokens)
-    assert (len(update.token_ids), seq.finish_reason) == (keep, reason)
+    assert (len(update.token_ids), seq.speculation.finish_reason) == (keep, reason)
 
 
 def test_stop_text_ends_before_the_stop_string_and_nothing_of_it_streams():
@@ -66,7 +66,7 @@ def test_accepted_count_is_clamped_at_a_stop_inside_the_draft():
     seq, update = run_round([97, 98, 99, 100, 101, 102], [], ("c",), {1}, 10, accepted=5)
     assert len(update.token_ids) == 3 and seq.stats.accepted_tokens == 0  # no draft source
     seq, update = run_round([97, 1, 99, 100], [], (), {1}, 10, accepted=3)
-    assert update.origins == [None, None] and len(seq.origins) == len(seq.output.keys) == 2
+    assert update.origins == [None, None] and len(seq.speculation.origins) == len(seq.output.keys) == 2
 
 
 def test_expected_tokens_formula():
