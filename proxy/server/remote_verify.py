@@ -10,8 +10,11 @@ generated after a fully accepted draft is the *bonus*. One prefill verifies hund
 
 A request's speculation is the engine's own (``engine/speculation.py``: the draft sources and
 their estimates, the output with its stops and ``max_tokens``, the statistics, the prediction's
-usage) and its drafts are chosen by the engine's policy (``draft_length.choose_drafts``) against
-this upstream's costs; this module holds the remote protocol around it. ``Session`` runs it for
+usage) and a draft's length is weighed by the engine's policy (``draft_length.choose_drafts``)
+against this upstream's costs; this module holds the remote protocol and its own session loop
+around it (which still picks its source in a fixed order, below, and reads some of the
+speculation's internals: issue 29). A finished request's figures go to its access line and to
+the metrics under the upstream's name, as a local one's do. ``Session`` runs it for
 a greedy request (explicit ``temperature: 0``) with a prediction or with
 ``speculation.prompt_lookup``, on an upstream whose ``verify_predictions`` is on:
 
