@@ -22,7 +22,8 @@ from typing import Any, Callable
 
 from foretell import __version__
 from foretell.origin_colors import CHOICES, legend, paint_spans, paint_within, use_color
-from foretell.proxy.options import (DRAFT_CACHE_SCOPES, DTYPE_CHOICES, KERNEL_CHOICES, QUANTIZE_CHOICES,
+from foretell.proxy.options import (DRAFT_CACHE_SCOPES, DRAFT_CACHE_TOKENS, DTYPE_CHOICES, KERNEL_CHOICES,
+                                    KV_CACHE_TOKENS, MAX_QUEUE, MAX_RUNNING, PREFILL_CHUNK, QUANTIZE_CHOICES,
                                     REPLICA_ROUTINGS)
 
 
@@ -341,22 +342,22 @@ def build_parser() -> argparse.ArgumentParser:
                        help="serve /metrics without the API key (default: /metrics needs the key "
                             "when --api-key is set) (env: FORETELL_METRICS_PUBLIC=1)")
     serve.add_argument("--max-queue", type=_positive_int,
-                       default=_FromEnv("FORETELL_MAX_QUEUE", 16, _positive_int),
-                       help="requests waiting for the engine before 429 (default: 16) "
+                       default=_FromEnv("FORETELL_MAX_QUEUE", MAX_QUEUE, _positive_int),
+                       help=f"requests waiting for the engine before 429 (default: {MAX_QUEUE}) "
                             "(env: FORETELL_MAX_QUEUE)")
     serve.add_argument("--max-running", type=_positive_int,
-                       default=_FromEnv("FORETELL_MAX_RUNNING", 16, _positive_int),
+                       default=_FromEnv("FORETELL_MAX_RUNNING", MAX_RUNNING, _positive_int),
                        help="requests batched into each target pass at once; more wait in the queue "
-                            "(default: 16) (env: FORETELL_MAX_RUNNING)")
+                            f"(default: {MAX_RUNNING}) (env: FORETELL_MAX_RUNNING)")
     serve.add_argument("--kv-cache-tokens", type=_positive_int,
-                       default=_FromEnv("FORETELL_KV_CACHE_TOKENS", 65536, _positive_int),
+                       default=_FromEnv("FORETELL_KV_CACHE_TOKENS", KV_CACHE_TOKENS, _positive_int),
                        help="KV cache capacity in tokens (full-attention layers; sliding-window "
                             "layers keep only their window); a request that can never fit is "
-                            "refused with 400 (default: 65536) (env: FORETELL_KV_CACHE_TOKENS)")
+                            f"refused with 400 (default: {KV_CACHE_TOKENS}) (env: FORETELL_KV_CACHE_TOKENS)")
     serve.add_argument("--prefill-chunk", type=_positive_int,
-                       default=_FromEnv("FORETELL_PREFILL_CHUNK", 256, _positive_int),
+                       default=_FromEnv("FORETELL_PREFILL_CHUNK", PREFILL_CHUNK, _positive_int),
                        help="prompt tokens prefilled per step, so a long prompt stalls running "
-                            "streams by one chunk at most (default: 256) (env: FORETELL_PREFILL_CHUNK)")
+                            f"streams by one chunk at most (default: {PREFILL_CHUNK}) (env: FORETELL_PREFILL_CHUNK)")
     serve.add_argument("--draft-cache-scope", type=_choice(DRAFT_CACHE_SCOPES),
                        default=_FromEnv("FORETELL_DRAFT_CACHE_SCOPE", "key", _choice(DRAFT_CACHE_SCOPES)),
                        help="drafts from earlier answers (a suffix-tree cache, beside predictions and "
@@ -367,9 +368,9 @@ def build_parser() -> argparse.ArgumentParser:
                             "A request opts out with speculation: {\"draft_cache\": false} "
                             "(env: FORETELL_DRAFT_CACHE_SCOPE)")
     serve.add_argument("--draft-cache-tokens", type=_positive_int,
-                       default=_FromEnv("FORETELL_DRAFT_CACHE_TOKENS", 1_000_000, _positive_int),
+                       default=_FromEnv("FORETELL_DRAFT_CACHE_TOKENS", DRAFT_CACHE_TOKENS, _positive_int),
                        help="output tokens the draft cache holds, all scopes together; the oldest "
-                            "answers go first (default: 1000000, about 0.25 GB) "
+                            f"answers go first (default: {DRAFT_CACHE_TOKENS}, about 0.25 GB) "
                             "(env: FORETELL_DRAFT_CACHE_TOKENS)")
     serve.add_argument("--max-body-bytes", type=_positive_int,
                        default=_FromEnv("FORETELL_MAX_BODY_BYTES", 4 * 1024 * 1024, _positive_int),

@@ -12,3 +12,11 @@ KERNEL_CHOICES = ("auto", "triton", "reference")
 DRAFT_CACHE_SCOPES = ("key", "user", "global", "off")
 # How ``foretell serve --replicas N`` places requests (``replicas/routing.py``): --routing.
 REPLICA_ROUTINGS = ("affinity", "round-robin")
+
+# The engine's and the server's sizes, written once: the command line's defaults, the server's
+# settings and the engine's constructor read them here.
+KV_CACHE_TOKENS = 65536  # --kv-cache-tokens: the KV cache's capacity (full-attention layers)
+PREFILL_CHUNK = 256  # --prefill-chunk: prompt tokens prefilled per step
+MAX_RUNNING = 16  # --max-running: sequences batched into each pass
+MAX_QUEUE = 16  # --max-queue: requests waiting for the engine before 429
+DRAFT_CACHE_TOKENS = 1_000_000  # --draft-cache-tokens: the draft cache's output tokens, all scopes

@@ -25,11 +25,13 @@ import itertools
 import threading
 from collections import OrderedDict
 
+from foretell.proxy.options import DRAFT_CACHE_TOKENS
+
 # The trees' depth: the longest context match and so the longest draft (vLLM's default is 24;
 # 32 lets a copied block run a little further per pass at the same per-token cost order).
 MAX_DEPTH = 32
 # Cached output tokens of all scopes together, and cached requests.
-DEFAULT_MAX_TOKENS = 1_000_000
+DEFAULT_MAX_TOKENS = DRAFT_CACHE_TOKENS
 DEFAULT_MAX_REQUESTS = 10_000
 # Continuation tokens less likely than this (by frequency after the match) end a draft.
 MIN_TOKEN_PROB = 0.1

@@ -47,14 +47,13 @@ from foretell.proxy.engine.precision import default_fp32_head, describe, head_ro
 from foretell.proxy.engine.prompt_logprob_cache import PromptLogprobCache
 from foretell.proxy.engine.sampling import SpeculativeSampler
 from foretell.proxy.engine.verify import VerifyRows, verify_step
+from foretell.proxy.options import KV_CACHE_TOKENS, MAX_RUNNING, PREFILL_CHUNK
 from foretell.proxy.engine.sequence import GenerationRequest, GenerationResult, Sequence, SequenceUpdate, TokenLogprob
 from foretell.proxy.engine.stats import GenerationStats, SourceStats
 
 __all__ = ["CacheFullError", "GenerationRequest", "GenerationResult", "GenerationStats",
            "Sequence", "SequenceUpdate", "SourceStats", "SpeculativeEngine", "TokenLogprob"]
 
-DEFAULT_KV_CACHE_TOKENS = 65536
-DEFAULT_PREFILL_CHUNK = 256
 # Drafted positions one pass may verify in all: bounds the [rows, V] logits (1 MB a row at V=262k).
 DEFAULT_MAX_DRAFT_POSITIONS = 512
 # Up to this many logit rows the output head is taken vocabulary-major (see the function below).
@@ -78,8 +77,8 @@ class SpeculativeEngine:
     prompt lookup and the draft cache of earlier outputs, verified exactly."""
 
     def __init__(self, model, tokenizer, pass_cost: PassCostModel | None = None, *,
-                 kv_cache_tokens: int = DEFAULT_KV_CACHE_TOKENS, block_size: int = 16,
-                 prefill_chunk: int = DEFAULT_PREFILL_CHUNK, max_sequences: int = 16,
+                 kv_cache_tokens: int = KV_CACHE_TOKENS, block_size: int = 16,
+                 prefill_chunk: int = PREFILL_CHUNK, max_sequences: int = MAX_RUNNING,
                  max_draft_positions: int = DEFAULT_MAX_DRAFT_POSITIONS,
                  dtype: torch.dtype | None = None, fp32_head: bool | None = None,
                  kernels: str | None = None, draft_cache=None):

@@ -17,8 +17,9 @@ from collections import OrderedDict
 
 from foretell.proxy.engine.draft_sources import common_prefix_length
 from foretell.proxy.engine.sequence import TokenLogprob
+from foretell.proxy.options import KV_CACHE_TOKENS
 
-DEFAULT_MAX_POSITIONS = 65536
+DEFAULT_MAX_POSITIONS = KV_CACHE_TOKENS
 
 
 class PromptLogprobCache:

@@ -26,6 +26,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 from foretell.proxy.engine.sequence import GenerationRequest, GenerationResult, Sequence, TokenLogprob
+from foretell.proxy.options import MAX_QUEUE, MAX_RUNNING
 from foretell.proxy.prediction_usage import count_away
 
 
@@ -79,7 +80,7 @@ class Job:
 class Scheduler:
     """A single thread that owns the engine; ``submit`` is called from the event loop."""
 
-    def __init__(self, engine, max_queue: int = 16, max_running: int = 16, on_result=None):
+    def __init__(self, engine, max_queue: int = MAX_QUEUE, max_running: int = MAX_RUNNING, on_result=None):
         self.engine = engine
         self.max_queue = max_queue
         self.max_running = max_running

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from foretell.proxy.options import DRAFT_CACHE_TOKENS, KV_CACHE_TOKENS, MAX_QUEUE, MAX_RUNNING, PREFILL_CHUNK
 from foretell.proxy.server.upstream import RouteTable
 
 
@@ -12,7 +13,7 @@ class ServerSettings:
     model: str | None = None
     served_model_name: str | None = None
     api_keys: tuple[str, ...] = ()
-    max_queue: int = 16
+    max_queue: int = MAX_QUEUE
     max_body_bytes: int = 4 * 1024 * 1024
     max_prediction_chars: int = 1024 * 1024
     default_max_tokens: int = 512
@@ -20,9 +21,9 @@ class ServerSettings:
     recalibrate: bool = False  # measure again even when a cached calibration exists
     # The engine's batching: KV cache capacity in tokens, prompt tokens prefilled per step,
     # sequences in flight at once.
-    kv_cache_tokens: int = 65536
-    prefill_chunk: int = 256
-    max_running: int = 16
+    kv_cache_tokens: int = KV_CACHE_TOKENS
+    prefill_chunk: int = PREFILL_CHUNK
+    max_running: int = MAX_RUNNING
     routes: RouteTable = field(default_factory=RouteTable)
     # The address served; the Host header must name it (or loopback, or an allowed host).
     host: str = "127.0.0.1"
@@ -37,4 +38,4 @@ class ServerSettings:
     # The draft cache of earlier answers: whose answers a request drafts from (draft_scope.py:
     # key, user, global or off) and how many output tokens it holds, all scopes together.
     draft_cache_scope: str = "key"
-    draft_cache_tokens: int = 1_000_000
+    draft_cache_tokens: int = DRAFT_CACHE_TOKENS
