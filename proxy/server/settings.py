@@ -1,4 +1,4 @@
-"""The server's settings: what ``foretell serve`` was started with (``foretell/cli.py``)."""
+"""The server's settings: what ``foretell serve`` was started with (``foretell/cli/serve.py``)."""
 
 from __future__ import annotations
 

@@ -78,26 +78,26 @@ def test_generate_samples_and_a_seed_replays(tmp_path, tiny_model_folder):
 
 
 def test_precision_options_parse(monkeypatch, capsys):
-    from foretell.cli import _resolve_env, build_parser
+    from foretell.cli import resolve_env, build_parser
 
     monkeypatch.delenv("FORETELL_DTYPE", raising=False)
     args = build_parser().parse_args(["serve"])
-    _resolve_env(args)
+    resolve_env(args)
     # Not set: serve takes the configuration file's local route, else auto / none / by dtype.
     assert (args.dtype, args.quantize, args.fp32_head) == (None, None, None)
     args = build_parser().parse_args(["generate", "--prompt-file", "-", "--dtype", "BFloat16",
                                       "--quantize", "int4", "--no-fp32-head"])
-    _resolve_env(args)
+    resolve_env(args)
     assert (args.dtype, args.quantize, args.fp32_head) == ("bfloat16", "int4", False)
     monkeypatch.setenv("FORETELL_FP32_HEAD", "1")
     monkeypatch.setenv("FORETELL_QUANTIZE", "int8")
     args = build_parser().parse_args(["serve"])
-    _resolve_env(args)
+    resolve_env(args)
     assert (args.quantize, args.fp32_head) == ("int8", True)
     monkeypatch.setenv("FORETELL_DTYPE", "fp8")
     args = build_parser().parse_args(["serve"])
     with pytest.raises(SystemExit) as exit_:
-        _resolve_env(args)
+        resolve_env(args)
     assert exit_.value.code == 2
     assert "FORETELL_DTYPE='fp8': must be auto, float32, bfloat16 or float16" in capsys.readouterr().err
 
@@ -170,22 +170,22 @@ def test_serve_takes_the_precision_from_the_command_line_else_the_local_route(tm
 
 
 def test_kernels_option(monkeypatch, capsys):
-    from foretell.cli import _resolve_env, build_parser
+    from foretell.cli import resolve_env, build_parser
 
     monkeypatch.delenv("FORETELL_KERNELS", raising=False)
     args = build_parser().parse_args(["serve"])
-    _resolve_env(args)
+    resolve_env(args)
     assert args.kernels is None  # the engine's default: FORETELL_KERNELS, else auto
     args = build_parser().parse_args(["generate", "--prompt-file", "-", "--kernels", "Reference"])
-    _resolve_env(args)
+    resolve_env(args)
     assert args.kernels == "reference"
     monkeypatch.setenv("FORETELL_KERNELS", "triton")
     args = build_parser().parse_args(["serve"])
-    _resolve_env(args)
+    resolve_env(args)
     assert args.kernels == "triton"
     monkeypatch.setenv("FORETELL_KERNELS", "cuda")
     args = build_parser().parse_args(["serve"])
     with pytest.raises(SystemExit) as exit_:
-        _resolve_env(args)
+        resolve_env(args)
     assert exit_.value.code == 2
     assert "FORETELL_KERNELS='cuda': must be auto, triton or reference" in capsys.readouterr().err

@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from foretell.cli import FileChangedError, _edit_stats, write_atomically
+from foretell.cli import FileChangedError, edit_stats, write_atomically
 from foretell.sdk import EditResult, unified_diff
 from tests.sdk.conftest import free_port
 
@@ -99,7 +99,7 @@ def test_the_statistics_count_changed_lines_that_look_like_diff_headers():
     before, after = "a\n-- note\nb\n", "a\n++ note\nb\n"
     result = EditResult(text=after, original=before, diff=unified_diff(before, after, "f.sql"),
                         output=after, finish_reason="stop", complete=True, seconds=1.0)
-    assert "+1 -1 lines" in _edit_stats(result)
+    assert "+1 -1 lines" in edit_stats(result)
 
 
 def test_write_and_diff_are_exclusive(tmp_path):

@@ -217,20 +217,20 @@ def test_foretell_serve_reads_and_recalibrates(cache_dir, tiny_model_folder, tin
 
 
 def test_the_serve_options_parse(monkeypatch, capsys):
-    from foretell.cli import _resolve_env, build_parser
+    from foretell.cli import resolve_env, build_parser
 
     args = build_parser().parse_args(["serve", "--recalibrate", "--log-level", "DEBUG", "--log-format", "json"])
-    _resolve_env(args)
+    resolve_env(args)
     assert (args.recalibrate, args.log_level, args.log_format) == (True, "debug", "json")
     monkeypatch.setenv("FORETELL_LOG_FORMAT", "JSON")
     monkeypatch.setenv("FORETELL_RECALIBRATE", "1")
     args = build_parser().parse_args(["serve"])
-    _resolve_env(args)
+    resolve_env(args)
     assert (args.recalibrate, args.log_level, args.log_format) == (True, "info", "json")
     monkeypatch.setenv("FORETELL_LOG_LEVEL", "loud")
     args = build_parser().parse_args(["serve"])
     with pytest.raises(SystemExit) as exit_:
-        _resolve_env(args)
+        resolve_env(args)
     assert exit_.value.code == 2
     assert "FORETELL_LOG_LEVEL='loud': must be debug, info, warning or error" in capsys.readouterr().err
     with pytest.raises(SystemExit):

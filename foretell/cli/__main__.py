@@ -1,0 +1,7 @@
+"""``python -m foretell.cli``."""
+
+import sys
+
+from foretell.cli import main
+
+sys.exit(main())
