@@ -168,8 +168,7 @@ class SpeculativeEngine:
         blocks = self.cache.reserve(positions, max_query)
         if blocks is None:
             return None
-        seq = Sequence(request, max_tokens, self.tokenizer, self.device, self.eos_token_ids, blocks,
-                       self.draft_cache)
+        seq = Sequence(request, max_tokens, self.tokenizer, self.device, self.eos_token_ids, blocks, self.draft_cache)
         if request.prompt_logprobs is None:
             seq.stats.cached_tokens = self.cache.match_prefix(blocks, seq.prompt)
         else:  # a cached prefix serves only as far as its prompt logprobs are known
