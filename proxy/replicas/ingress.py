@@ -24,9 +24,9 @@ from foretell.proxy.replicas.cluster_metrics import merge_metrics
 from foretell.proxy.replicas.routers import replica_stats
 from foretell.proxy.replicas.routing import GENERATION_PATHS, prompt_hint
 from foretell.proxy.server import ServerSettings, create_app
+from foretell.proxy.server.api_error import APIError
 from foretell.proxy.server.guard import error_response
 from foretell.proxy.server.responses import DONE, sse
-from foretell.proxy.server.schema import APIError
 
 log = logging.getLogger("foretell.ingress")
 

@@ -16,8 +16,9 @@ import weakref
 from collections import OrderedDict
 from collections.abc import Hashable, Sequence
 
+from foretell.proxy.server.api_error import APIError
 from foretell.proxy.server.prompts import CUT_SLACK, PREFIX_CHARS_PER_TOKEN, chat_prompt, prompt_ids
-from foretell.proxy.server.schema import APIError, ChatCompletionRequest, CompletionRequest, validate
+from foretell.proxy.server.schema import ChatCompletionRequest, CompletionRequest, validate
 
 log = logging.getLogger("foretell.ingress")
 

@@ -16,12 +16,12 @@ import threading
 from fastapi import FastAPI
 from starlette.exceptions import HTTPException
 
+from foretell.proxy.server.api_error import APIError
 from foretell.proxy.server.guard import GuardMiddleware
 from foretell.proxy.server.local_model import LocalModel, default_loader
 from foretell.proxy.server.logs import AccessLogMiddleware
 from foretell.proxy.server.route_errors import api_error_handler, http_error_handler
 from foretell.proxy.server.routes import ROUTERS
-from foretell.proxy.server.schema import APIError
 from foretell.proxy.server.settings import ServerSettings
 from foretell.proxy.server.state import ServerState
 

@@ -9,7 +9,7 @@ from typing import Annotated
 
 from fastapi import Depends, Request
 
-from foretell.proxy.server.schema import APIError
+from foretell.proxy.server.api_error import APIError
 
 # JSON nested deeper than this is refused (OpenAI bodies are shallow; deep nesting only costs).
 MAX_JSON_DEPTH = 64

@@ -11,10 +11,11 @@ from fastapi import Request
 
 from foretell.proxy.engine.scheduler import QueueFullError
 from foretell.proxy.server import echo, local_generation
+from foretell.proxy.server.api_error import APIError
 from foretell.proxy.server.logs import note
 from foretell.proxy.server.redact import Redactor
 from foretell.proxy.server.request_builder import plan
-from foretell.proxy.server.schema import APIError, ChatCompletionRequest, validate
+from foretell.proxy.server.schema import ChatCompletionRequest, validate
 from foretell.proxy.server.state import ServerState, model_loading
 from foretell.proxy.server.upstream import ModelRoute, prepare_body, relay
 

@@ -25,8 +25,8 @@ from fastapi.responses import JSONResponse
 from starlette.requests import ClientDisconnect
 
 from foretell import __version__
+from foretell.proxy.server.api_error import APIError
 from foretell.proxy.server.metrics import Metrics
-from foretell.proxy.server.schema import APIError
 
 log = logging.getLogger("foretell.server")
 

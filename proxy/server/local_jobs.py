@@ -10,9 +10,9 @@ import time
 from fastapi import Request
 
 from foretell.proxy.engine.scheduler import DoneEvent, ErrorEvent, TokensEvent
+from foretell.proxy.server.api_error import APIError
 from foretell.proxy.server.logs import note_result
 from foretell.proxy.server.responses import ClientGone, client_gone, stream_response
-from foretell.proxy.server.schema import APIError
 
 # How often a waiting request asks whether its client is still there.
 CLIENT_CHECK_SECONDS = 0.25

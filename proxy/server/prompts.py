@@ -7,7 +7,7 @@ refused after tokenising a bounded prefix of it.
 
 from __future__ import annotations
 
-from foretell.proxy.server.schema import APIError
+from foretell.proxy.server.api_error import APIError
 
 # No token of common vocabularies spans more characters than this (Gemma's longest: 31), so a
 # prefix of this many characters per token of the context holds more tokens than the context:

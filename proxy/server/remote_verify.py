@@ -77,11 +77,12 @@ from foretell.proxy.engine.draft_length import DraftOption, OnlinePassCost, Pass
 from foretell.proxy.engine.draft_sources import PredictionSource, TextPieces
 from foretell.proxy.engine.speculation import Output, Speculation, draft_sources
 from foretell.proxy.prediction_usage import count_away
+from foretell.proxy.server.api_error import APIError
 from foretell.proxy.server.logs import note_result
 from foretell.proxy.server.prompts import chat_prompt, end_of_turn_ids
 from foretell.proxy.server.redact import Redactor
 from foretell.proxy.server.responses import ClientGone, Shape, client_gone, engine_usage, stream_response
-from foretell.proxy.server.schema import APIError, ChatCompletionRequest
+from foretell.proxy.server.schema import ChatCompletionRequest
 
 log = logging.getLogger("foretell.server")
 

@@ -13,7 +13,8 @@ from dataclasses import dataclass
 
 from foretell.proxy.engine import GenerationRequest
 from foretell.proxy.engine.draft_sources import PredictionEncoding
-from foretell.proxy.server.schema import APIError, ChatCompletionRequest
+from foretell.proxy.server.api_error import APIError
+from foretell.proxy.server.schema import ChatCompletionRequest
 
 # OpenAI's default length of a legacy completion; chat defaults to settings.default_max_tokens.
 COMPLETION_DEFAULT_MAX_TOKENS = 16

@@ -16,7 +16,7 @@ from typing import AsyncIterator
 
 from fastapi.responses import Response, StreamingResponse
 
-from foretell.proxy.server.schema import APIError
+from foretell.proxy.server.api_error import APIError
 
 DONE = b"data: [DONE]\n\n"
 

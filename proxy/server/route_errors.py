@@ -7,9 +7,9 @@ from __future__ import annotations
 from fastapi import Request
 from starlette.exceptions import HTTPException
 
+from foretell.proxy.server.api_error import APIError
 from foretell.proxy.server.guard import error_response
 from foretell.proxy.server.routes import PATHS
-from foretell.proxy.server.schema import APIError
 
 
 async def api_error_handler(request: Request, error: APIError):

@@ -22,22 +22,10 @@ from pydantic import (
 )
 from pydantic_core import InitErrorDetails, PydanticCustomError
 
+from foretell.proxy.server.api_error import APIError
+
 # OpenAI's seed is a 64-bit integer; either signedness is accepted.
 SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1
-
-
-class APIError(Exception):
-    """An error answered in OpenAI's envelope."""
-
-    def __init__(self, status: int, message: str, *, type: str = "invalid_request_error",
-                 param: str | None = None, code: str | None = None, headers: dict | None = None):
-        super().__init__(message)
-        self.status, self.message, self.type = status, message, type
-        self.param, self.code, self.headers = param, code, headers or {}
-
-    def body(self) -> dict:
-        return {"error": {"message": self.message, "type": self.type, "param": self.param,
-                          "code": self.code}}
 
 
 class _Lenient(BaseModel):

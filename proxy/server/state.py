@@ -9,10 +9,10 @@ from typing import Annotated
 
 from fastapi import Depends, Request
 
+from foretell.proxy.server.api_error import APIError
 from foretell.proxy.server.local_model import LocalModel
 from foretell.proxy.server.metrics import Metrics
 from foretell.proxy.server.remote_verify import RemoteVerifier
-from foretell.proxy.server.schema import APIError
 from foretell.proxy.server.settings import ServerSettings
 from foretell.proxy.server.upstream import Forwarder
 

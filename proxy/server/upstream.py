@@ -41,8 +41,8 @@ from starlette.background import BackgroundTask
 from starlette.responses import Response, StreamingResponse
 
 from foretell.proxy.options import DTYPE_CHOICES, PRECISION_KEYS, QUANTIZE_CHOICES
+from foretell.proxy.server.api_error import APIError
 from foretell.proxy.server.redact import Redactor
-from foretell.proxy.server.schema import APIError
 
 log = logging.getLogger("foretell.server")
 

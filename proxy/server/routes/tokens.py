@@ -9,10 +9,11 @@ import asyncio
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse
 
+from foretell.proxy.server.api_error import APIError
 from foretell.proxy.server.body import JsonBody
 from foretell.proxy.server.guard import check_key
 from foretell.proxy.server.prompts import chat_prompt, prompt_ids
-from foretell.proxy.server.schema import APIError, DetokenizeRequest, TokenizeRequest, validate
+from foretell.proxy.server.schema import DetokenizeRequest, TokenizeRequest, validate
 from foretell.proxy.server.state import Server
 
 
