@@ -19,7 +19,6 @@ from foretell.sdk.edit import build_edit_prompt, extract_edited_text
 from tests.e2e.live_server import live_server
 from tests.helpers import GREEDY_PROMPT, GREEDY_TOKENS
 from tests.serving import serve, tiny_app
-from tests.proxy.server.upstream_stub import StubServer
 
 CHROMIUM = os.environ.get("FORETELL_CHROMIUM", "/usr/bin/chromium")
 CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
@@ -32,16 +31,15 @@ WAIT_MS = 240_000
 # ---- servers and the browser -------------------------------------------------------------------
 
 @pytest.fixture(scope="module")
-def served(tmp_path_factory, tiny_model_folder):
-    """The tiny model as "tiny", and "up-ok" routed to a stub upstream."""
+def served(tmp_path_factory, tiny_model_folder, stub_upstream):
+    """The tiny model as "tiny", and "up-ok" routed to the session's stub upstream."""
     folder = tmp_path_factory.mktemp("playground")
     config = folder / "foretell.toml"
-    with StubServer() as upstream:
-        config.write_text(f'[upstreams.stub]\nbase_url = "{upstream.base_url}"\nmax_retries = 0\n\n'
-                          '[models.up-ok]\nupstream = "stub"\n')
-        with live_server(tiny_model_folder, folder / "serve.log", "--served-model-name", "tiny",
-                         "--config", str(config)) as server:
-            yield server
+    config.write_text(f'[upstreams.stub]\nbase_url = "{stub_upstream.base_url}"\nmax_retries = 0\n\n'
+                      '[models.up-ok]\nupstream = "stub"\n')
+    with live_server(tiny_model_folder, folder / "serve.log", "--served-model-name", "tiny",
+                     "--config", str(config)) as server:
+        yield server
 
 
 @pytest.fixture(scope="module")

@@ -13,7 +13,7 @@ import openai
 import pytest
 
 from foretell.proxy.engine import GenerationRequest, SpeculativeEngine
-from tests.proxy.server.upstream_stub import StubServer, free_port
+from tests.proxy.server.upstream_stub import free_port
 from tests.serving import route_table, serve, tiny_app
 
 API_KEY = "sk-test-key"
@@ -23,9 +23,8 @@ PROMPT = "def total(items):\n    result = 0\n"
 
 
 @pytest.fixture(scope="module")
-def upstream():
-    with StubServer() as stub:
-        yield stub
+def upstream(stub_upstream):
+    return stub_upstream  # the session's stub (tests/conftest.py); tests read its latest requests
 
 
 @pytest.fixture(scope="module")
