@@ -20,6 +20,7 @@ in a child process for a long prediction (``prediction_usage.count_away``), whic
 from __future__ import annotations
 
 import asyncio
+import logging
 import threading
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
@@ -28,6 +29,8 @@ from dataclasses import dataclass, field
 from foretell.proxy.engine.sequence import GenerationRequest, GenerationResult, Sequence, TokenLogprob
 from foretell.proxy.options import MAX_QUEUE, MAX_RUNNING
 from foretell.proxy.prediction_usage import count_away
+
+log = logging.getLogger("foretell.engine")
 
 
 class QueueFullError(Exception):
@@ -181,11 +184,15 @@ class Scheduler:
         """Count the prediction's usage, then report the result (to ``on_result``, and as the
         job's DoneEvent unless the job was cancelled): on the finisher thread."""
         def finish() -> None:
-            seq.speculation.count_prediction_usage(count_away)  # writes into result.stats
-            if self.on_result is not None:
-                self.on_result(result)
-            if job is not None:
-                job.emit(DoneEvent(choice, result))
+            try:
+                seq.speculation.count_prediction_usage(count_away)  # writes into result.stats
+                if self.on_result is not None:
+                    self.on_result(result)
+            except Exception:  # a bug: logged, and the request is still answered
+                log.exception("finishing a result failed")
+            finally:
+                if job is not None:
+                    job.emit(DoneEvent(choice, result))
         self._finisher.submit(finish)
 
     def _fail(self, job: Job, error: Exception) -> None:

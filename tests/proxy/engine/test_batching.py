@@ -273,3 +273,30 @@ def test_a_long_predictions_usage_is_counted_off_the_engines_thread(tiny_model, 
     assert len(reported) == 1 and reported[0][0].startswith("foretell-finish") and reported[0][1:] == usage
     assert counted_on == []  # neither the engine's thread nor the finisher: the child process did
     assert prediction_usage._child is not None
+
+
+def test_a_failing_result_callback_still_answers_the_request(tiny_model, tokenizer, caplog):
+    """The finisher answers every request even when ``on_result`` (the metrics) raises: a bug
+    there is logged, never a request left waiting for its DoneEvent."""
+    import asyncio
+
+    from foretell.proxy.engine.scheduler import DoneEvent, Scheduler
+
+    def broken(result):
+        raise RuntimeError("metrics bug")
+
+    engine = SpeculativeEngine(tiny_model, tokenizer, kv_cache_tokens=1024)
+    scheduler = Scheduler(engine, on_result=broken)
+
+    async def run():
+        job = scheduler.submit(GenerationRequest(prompt_ids=tokenizer("def f(x):")["input_ids"], max_tokens=4))
+        while not isinstance(event := await asyncio.wait_for(job.events.get(), timeout=120), DoneEvent):
+            pass
+        return event.result
+
+    try:
+        result = asyncio.run(run())
+    finally:
+        scheduler.close()
+    assert result.stats.completion_tokens == 4
+    assert any("finishing a result failed" in r.getMessage() and r.exc_info for r in caplog.records)
