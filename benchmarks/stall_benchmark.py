@@ -29,7 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import httpx  # noqa: E402
 from load_benchmark import assemble_baseline, remove_baseline, start_server  # noqa: E402
 
-PREDICTION_CHARS = 1024 * 1024  # the server's default max_prediction_chars
+from foretell.proxy.options import MAX_PREDICTION_CHARS as PREDICTION_CHARS  # noqa: E402  (the server's limit)
 
 
 def huge_prediction() -> str:

@@ -20,3 +20,6 @@ PREFILL_CHUNK = 256  # --prefill-chunk: prompt tokens prefilled per step
 MAX_RUNNING = 16  # --max-running: sequences batched into each pass
 MAX_QUEUE = 16  # --max-queue: requests waiting for the engine before 429
 DRAFT_CACHE_TOKENS = 1_000_000  # --draft-cache-tokens: the draft cache's output tokens, all scopes
+MAX_BODY_BYTES = 4 * 1024 * 1024  # --max-body-bytes: a larger request body is answered 413
+MAX_PREDICTION_CHARS = 1024 * 1024  # --max-prediction-chars: a longer prediction is answered 413
+DEFAULT_MAX_TOKENS = 512  # --default-max-tokens: a chat request's max_tokens when it sets none

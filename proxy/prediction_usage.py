@@ -84,9 +84,15 @@ _child: _Child | None = None
 _child_lock = threading.Lock()
 
 
-def start_child() -> None:
-    """Start the child that counts long predictions, if it is not running (a caller that knows
-    a long prediction is coming starts it early)."""
+def expect(prediction: str) -> None:
+    """A caller that will count ``prediction``'s usage later says so now: a long one starts the
+    child meanwhile, so that the count does not wait for it."""
+    if len(prediction) >= CHILD_PROCESS_CHARS:
+        _start_child()
+
+
+def _start_child() -> None:
+    """Start the child that counts long predictions, if it is not running."""
     global _child
     with _child_lock:
         if _child is None or _child.process.poll() is not None:
@@ -98,7 +104,7 @@ def count_away(prediction: str, token_starts: list[int], completion: str) -> tup
     the calling thread, not the GIL); here for a short one, or where the child cannot run."""
     if len(prediction) >= CHILD_PROCESS_CHARS:
         try:
-            start_child()
+            _start_child()
             return _child.count(prediction, token_starts, completion)
         except (OSError, EOFError, pickle.PickleError):
             pass

@@ -7,8 +7,9 @@ import os
 
 from foretell.cli.arguments import (FromEnv, add_kernels_option, add_precision_options, log_format,
                                     log_level, needs_proxy_extra, non_negative_float, one_of, positive_int)
-from foretell.proxy.options import (DRAFT_CACHE_SCOPES, DRAFT_CACHE_TOKENS, KV_CACHE_TOKENS, MAX_QUEUE,
-                                    MAX_RUNNING, PREFILL_CHUNK, REPLICA_ROUTINGS)
+from foretell.proxy.options import (DEFAULT_MAX_TOKENS, DRAFT_CACHE_SCOPES, DRAFT_CACHE_TOKENS, KV_CACHE_TOKENS,
+                                    MAX_BODY_BYTES, MAX_PREDICTION_CHARS, MAX_QUEUE, MAX_RUNNING, PREFILL_CHUNK,
+                                    REPLICA_ROUTINGS)
 
 
 def add_parser(commands) -> None:
@@ -90,15 +91,15 @@ def _add_engine_options(serve: argparse.ArgumentParser) -> None:
                             f"answers go first (default: {DRAFT_CACHE_TOKENS}, about 0.25 GB) "
                             "(env: FORETELL_DRAFT_CACHE_TOKENS)")
     serve.add_argument("--max-body-bytes", type=positive_int,
-                       default=FromEnv("FORETELL_MAX_BODY_BYTES", 4 * 1024 * 1024, positive_int),
+                       default=FromEnv("FORETELL_MAX_BODY_BYTES", MAX_BODY_BYTES, positive_int),
                        help="largest request body, else 413 (default: 4 MiB) (env: FORETELL_MAX_BODY_BYTES)")
     serve.add_argument("--max-prediction-chars", type=positive_int,
-                       default=FromEnv("FORETELL_MAX_PREDICTION_CHARS", 1024 * 1024, positive_int),
+                       default=FromEnv("FORETELL_MAX_PREDICTION_CHARS", MAX_PREDICTION_CHARS, positive_int),
                        help="largest prediction, else 413 (default: 1 Mi characters) "
                             "(env: FORETELL_MAX_PREDICTION_CHARS)")
     serve.add_argument("--default-max-tokens", type=positive_int,
-                       default=FromEnv("FORETELL_DEFAULT_MAX_TOKENS", 512, positive_int),
-                       help="chat max_tokens when the request sets none (default: 512; completions "
+                       default=FromEnv("FORETELL_DEFAULT_MAX_TOKENS", DEFAULT_MAX_TOKENS, positive_int),
+                       help=f"chat max_tokens when the request sets none (default: {DEFAULT_MAX_TOKENS}; completions "
                             "default to 16 as OpenAI's) (env: FORETELL_DEFAULT_MAX_TOKENS)")
     add_precision_options(serve)
     add_kernels_option(serve)

@@ -47,9 +47,9 @@ from foretell.proxy.engine.precision import default_fp32_head, describe, head_ro
 from foretell.proxy.engine.prompt_logprob_cache import PromptLogprobCache
 from foretell.proxy.engine.sampling import SpeculativeSampler
 from foretell.proxy.engine.verify import VerifyRows, verify_step
-from foretell.proxy.options import KV_CACHE_TOKENS, MAX_RUNNING, PREFILL_CHUNK
 from foretell.proxy.engine.sequence import GenerationRequest, GenerationResult, Sequence, SequenceUpdate, TokenLogprob
 from foretell.proxy.engine.stats import GenerationStats, SourceStats
+from foretell.proxy.options import KV_CACHE_TOKENS, MAX_RUNNING, PREFILL_CHUNK
 
 __all__ = ["CacheFullError", "GenerationRequest", "GenerationResult", "GenerationStats",
            "Sequence", "SequenceUpdate", "SourceStats", "SpeculativeEngine", "TokenLogprob"]

@@ -10,7 +10,7 @@ from fastapi import Request
 
 from foretell.proxy.engine.draft_sources import PredictionEncoding
 from foretell.proxy.engine.scheduler import TokensEvent
-from foretell.proxy.prediction_usage import CHILD_PROCESS_CHARS, start_child
+from foretell.proxy import prediction_usage
 from foretell.proxy.server.draft_scope import draft_cache_scope, key_identity
 from foretell.proxy.server.local_jobs import LocalJob, answer
 from foretell.proxy.server.logprobs_format import (
@@ -47,8 +47,7 @@ def _tokenise(tokenizer, parsed, plan: RequestPlan, context: int | None):
     prompt_ids = request_prompt_ids(tokenizer, parsed, plan.is_chat, context)
     if not plan.prediction:
         return prompt_ids, None
-    if len(plan.prediction) >= CHILD_PROCESS_CHARS:  # its usage will be counted there: start it now
-        start_child()
+    prediction_usage.expect(plan.prediction)  # counted when the request finishes
     return prompt_ids, PredictionEncoding.of(tokenizer, plan.prediction)
 
 

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from foretell.proxy.options import DRAFT_CACHE_TOKENS, KV_CACHE_TOKENS, MAX_QUEUE, MAX_RUNNING, PREFILL_CHUNK
+from foretell.proxy.options import (DEFAULT_MAX_TOKENS, DRAFT_CACHE_TOKENS, KV_CACHE_TOKENS, MAX_BODY_BYTES,
+                                    MAX_PREDICTION_CHARS, MAX_QUEUE, MAX_RUNNING, PREFILL_CHUNK)
 from foretell.proxy.server.upstream import RouteTable
 
 
@@ -14,9 +15,9 @@ class ServerSettings:
     served_model_name: str | None = None
     api_keys: tuple[str, ...] = ()
     max_queue: int = MAX_QUEUE
-    max_body_bytes: int = 4 * 1024 * 1024
-    max_prediction_chars: int = 1024 * 1024
-    default_max_tokens: int = 512
+    max_body_bytes: int = MAX_BODY_BYTES
+    max_prediction_chars: int = MAX_PREDICTION_CHARS
+    default_max_tokens: int = DEFAULT_MAX_TOKENS
     calibrate: bool = True
     recalibrate: bool = False  # measure again even when a cached calibration exists
     # The engine's batching: KV cache capacity in tokens, prompt tokens prefilled per step,
