@@ -66,7 +66,6 @@ class Job:
     loop: asyncio.AbstractEventLoop
     events: asyncio.Queue = field(default_factory=asyncio.Queue)
     cancelled: threading.Event = field(default_factory=threading.Event)
-    checked_at: float = 0.0  # when the server last asked whether the client is still there
     # Worker-side state.
     sequences: dict[int, Sequence] = field(default_factory=dict)  # running choices
     next_choice: int = 0  # choices not yet admitted start here

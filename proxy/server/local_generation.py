@@ -22,7 +22,7 @@ from foretell.proxy.server.logprobs_format import (
 from foretell.proxy.server.origins import OriginSpans
 from foretell.proxy.server.prompts import request_prompt_ids
 from foretell.proxy.server.request_builder import RequestPlan, engine_requests
-from foretell.proxy.server.responses import Shape, engine_usage, finish_reason, speculation_report
+from foretell.proxy.server.responses import Shape, engine_usage, finish_reason, speculation_report, text_chunks
 
 
 async def run(request: Request, server, local, parsed, plan: RequestPlan):
@@ -61,29 +61,34 @@ def _body(shape: Shape, texts: TokenTexts, results) -> dict:
     return shape.body(choices, usage, speculation_report(results[0]))
 
 
-async def _chunks(job: LocalJob, shape: Shape, texts: TokenTexts, include_usage: bool,
-                  origins: OriginSpans | None):
+def _chunks(job: LocalJob, shape: Shape, texts: TokenTexts, include_usage: bool,
+            origins: OriginSpans | None):
     """The stream's chunks: text as the engine confirms it, then the finish and the usage."""
-    completion_logprobs_so_far = RunningCompletionLogprobs(texts)
-    try:
-        if shape.is_chat:
-            yield shape.role_chunk()
-        while True:
-            event = await job.next_event()
-            if not isinstance(event, TokensEvent):
-                result = event.result
-                yield shape.finish_chunk(finish_reason(result))
-                if include_usage:
-                    yield shape.usage_chunk(engine_usage(result.stats), speculation_report(result))
-                return
-            if origins is not None:  # the report_origins extension
-                origins.add(event.token_ids, event.origins)
-            if event.text or event.logprobs:
+    finished = []  # the result, once the engine is done
+
+    async def pieces():
+        completion_logprobs_so_far = RunningCompletionLogprobs(texts)
+        try:
+            while True:
+                event = await job.next_event()
+                if not isinstance(event, TokensEvent):
+                    finished.append(event.result)
+                    return
+                if origins is not None:  # the report_origins extension
+                    origins.add(event.token_ids, event.origins)
+                if not (event.text or event.logprobs):
+                    continue
                 logprobs = None
                 if event.logprobs:
                     logprobs = (chat_logprobs(event.logprobs, texts) if shape.is_chat
                                 else completion_logprobs_so_far(event.logprobs))
                 extra = {"foretell": origins.report(event.text)} if origins is not None else None
-                yield shape.chunk(event.text, logprobs, extra=extra)
-    finally:
-        job.cancel()  # no-op when finished; stops the engine if the client went away
+                yield event.text, logprobs, extra
+        finally:
+            job.cancel()  # no-op when finished; stops the engine if the client went away
+
+    async def ending():
+        [result] = finished
+        return finish_reason(result), engine_usage(result.stats), speculation_report(result)
+
+    return text_chunks(shape, pieces(), ending, include_usage)

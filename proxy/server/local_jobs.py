@@ -12,10 +12,7 @@ from fastapi import Request
 from foretell.proxy.engine.scheduler import DoneEvent, ErrorEvent, TokensEvent
 from foretell.proxy.server.api_error import APIError
 from foretell.proxy.server.logs import note_result
-from foretell.proxy.server.responses import ClientGone, client_gone, stream_response
-
-# How often a waiting request asks whether its client is still there.
-CLIENT_CHECK_SECONDS = 0.25
+from foretell.proxy.server.responses import ClientGone, ClientWatch, client_gone, stream_response
 
 
 async def answer(request: Request, server, local, choices: list, stream: bool, chunks, body):
@@ -45,6 +42,7 @@ class LocalJob:
         self.request, self.local, self.job, self.metrics = request, local, job, metrics
         self.started = time.perf_counter()
         self.first: float | None = None  # when the first tokens came
+        self.client = ClientWatch(request)
 
     def cancel(self) -> None:
         """Stop the engine's work on the job (a no-op once it has finished)."""
@@ -52,17 +50,17 @@ class LocalJob:
 
     async def next_event(self) -> TokensEvent | DoneEvent:
         """The next engine event. A failed generation raises its APIError; a client that has gone
-        away (checked at most every CLIENT_CHECK_SECONDS, also while events keep coming) cancels
-        the job and raises ClientGone."""
+        away (``ClientWatch``: asked also while events keep coming) cancels the job and raises
+        ClientGone."""
         job = self.job
         while True:
-            if time.monotonic() - job.checked_at > CLIENT_CHECK_SECONDS:
-                job.checked_at = time.monotonic()
-                if await self.request.is_disconnected():
-                    job.cancel()
-                    raise ClientGone
             try:
-                event = await asyncio.wait_for(job.events.get(), timeout=CLIENT_CHECK_SECONDS)
+                await self.client.check()
+            except ClientGone:
+                job.cancel()
+                raise
+            try:
+                event = await asyncio.wait_for(job.events.get(), timeout=ClientWatch.CLIENT_CHECK_SECONDS)
             except asyncio.TimeoutError:
                 continue
             if isinstance(event, ErrorEvent):

@@ -2,7 +2,7 @@
 foretell's ``speculation`` report, server-sent-event framing, the error event and ``[DONE]``.
 
 The local engine's path (``local_generation.py``), the echo path (``echo.py``) and remote
-verification (``remote_verify.py``) all shape their answers here, so a field means the same
+verification (``remote_verify/``) all shape their answers here, so a field means the same
 whichever path answered.
 """
 
@@ -28,6 +28,25 @@ class ClientGone(Exception):
 def sse(payload) -> bytes:
     """One server-sent event carrying ``payload`` as JSON."""
     return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n".encode()
+
+
+class ClientWatch:
+    """Whether a request's client is still there, asked of the server at most every
+    ``CLIENT_CHECK_SECONDS`` however often the generation asks (local and remote alike)."""
+
+    CLIENT_CHECK_SECONDS = 0.25
+
+    def __init__(self, request):
+        self.request = request
+        self.checked_at = 0.0
+
+    async def check(self) -> None:
+        """Raise ClientGone once the client has hung up."""
+        if time.monotonic() - self.checked_at < self.CLIENT_CHECK_SECONDS:
+            return
+        self.checked_at = time.monotonic()
+        if await self.request.is_disconnected():
+            raise ClientGone
 
 
 def client_gone() -> Response:
@@ -124,6 +143,25 @@ class Shape:
 
 
 # ---- streams ----------------------------------------------------------------------------------
+
+async def text_chunks(shape: Shape, pieces: AsyncIterator[tuple], ending, include_usage: bool
+                      ) -> AsyncIterator[bytes]:
+    """A generation's stream, whichever path generates it: the role (chat), a chunk for each of
+    ``pieces`` (``(text, logprobs, extra)`` as they are confirmed) that has text or logprobs, then
+    the finish and, where asked, the usage. ``await ending()`` gives ``(finish_reason, usage,
+    report)`` once the pieces are done; it is awaited whether the usage was asked for or not
+    (it also reports the request's figures)."""
+    async with contextlib.aclosing(pieces):
+        if shape.is_chat:
+            yield shape.role_chunk()
+        async for text, logprobs, extra in pieces:
+            if text or logprobs:
+                yield shape.chunk(text, logprobs, extra=extra)
+    finish, usage_body, report = await ending()
+    yield shape.finish_chunk(finish)
+    if include_usage:
+        yield shape.usage_chunk(usage_body, report)
+
 
 async def event_stream(chunks: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
     """A response's chunks as an event stream ending with ``[DONE]``. The status line is long sent
