@@ -82,6 +82,39 @@ class PredictionSource:
         head = self.tokenizer.encode(self.text[self.cursor : piece_end], add_special_tokens=False)
         return (list(head) + self.token_ids[index:])[:max_tokens]
 
+    # ---- the text ahead of the cursor, for a verifier that sends text (remote verification) ----
+
+    def tokens_ahead(self) -> int:
+        """The prediction's tokens from the cursor on, as ``propose`` counts them (at a seam the
+        piece up to the next token start is one more); 0 when the cursor is lost."""
+        if self.cursor is None or self.cursor >= len(self.text):
+            return 0
+        index = bisect.bisect_left(self.token_starts, self.cursor)
+        at_start = index < len(self.token_starts) and self.token_starts[index] == self.cursor
+        return len(self.token_starts) - index + (0 if at_start else 1)
+
+    def chars_ahead(self) -> int:
+        return 0 if self.cursor is None else max(0, len(self.text) - self.cursor)
+
+    def text_of_tokens_ahead(self, tokens: int) -> str:
+        """The text the next ``tokens`` of ``tokens_ahead`` span from the cursor."""
+        if self.cursor is None:
+            return ""
+        index = bisect.bisect_left(self.token_starts, self.cursor)
+        at_start = index < len(self.token_starts) and self.token_starts[index] == self.cursor
+        stop = index + tokens - (0 if at_start else 1)
+        end = self.token_starts[stop] if stop < len(self.token_starts) else len(self.text)
+        return self.text[self.cursor:end]
+
+    def text_past_chars_ahead(self, chars: int) -> str:
+        """The text from the cursor to the first token start more than ``chars`` characters on
+        (for pieces standing in for tokens, whose count says nothing of the upstream's tokens)."""
+        if self.cursor is None:
+            return ""
+        index = bisect.bisect_left(self.token_starts, self.cursor + chars + 1)
+        end = self.token_starts[index] if index < len(self.token_starts) else len(self.text)
+        return self.text[self.cursor:end]
+
     def observe(self, output_ids: list[int], output_text: str) -> None:
         new_text = output_text[self.observed_chars :]
         self.observed_chars = len(output_text)

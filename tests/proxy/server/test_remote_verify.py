@@ -1,4 +1,4 @@
-"""Remote verification (``proxy/server/remote_verify.py``) and echo with prompt logprobs
+"""Remote verification (``proxy/server/remote_verify/``) and echo with prompt logprobs
 (``proxy/server/echo.py``), over real HTTP.
 
 Two servers on a tiny model, in process on real ports (tests/serving.py): the *upstream*, and the *proxy*, whose TOML
@@ -466,46 +466,65 @@ def test_verify_when_it_pays_by_measured_costs(servers, reference):
         assert final["speculation"]["upstream_requests"] >= 1
 
 
+def _session(state, prompt: str):
+    from foretell.proxy.server.remote_verify import RemoteRequest, Session
+
+    return Session(None, state, RemoteRequest("m", prompt, None, 200, (), "y" * 400, False, 128, "req"))
+
+
+def _worth(session, available: int, run: float) -> tuple[int, float | None]:
+    """(draft length, expected yield) the session chooses for a prediction offering ``available``
+    tokens after an agreement run of ``run``, with the request's own estimates."""
+    from foretell.proxy.engine.draft_length import DraftOption
+    from foretell.proxy.server.remote_verify.draft_choice import choose
+
+    spec = session.spec
+    option = DraftOption("prediction", spec.estimates["prediction"].rate, run, available,
+                         spec.calibration["prediction"])
+    _, length, expected = choose(session, [option])
+    return length, expected
+
+
 def test_the_cost_policy_chooses_plain_decoding_when_prefill_is_dear():
-    from foretell.proxy.server.remote_verify import Session, UpstreamState
+    from foretell.proxy.server.remote_verify import UpstreamState
     from foretell.proxy.server.upstream import Upstream
 
     state = UpstreamState(Upstream(name="u", base_url="http://127.0.0.1:9/v1", verify_predictions="echo"))
-    session = Session(None, state, "m", "x" * 400, None, 200, (), "y" * 400, False, 128, "req", None, frozenset())
-    assert session._worth("prediction", 64, 8.0)[0] == 64  # nothing measured yet: verify all of it
+    session = _session(state, "x" * 400)
+    assert _worth(session, 64, 8.0)[0] == 64  # nothing measured yet: verify all of it
     state.verify_cost.observe(150, 3.0)  # an echo request of 150 tokens took 3 s
     state.verify_measured = True
     state.plain_token_seconds.extend([0.1, 0.1, 0.1])  # a plain token 0.1 s
-    assert session._worth("prediction", 64, 8.0)[0] == 64  # the request's first try of its prediction
+    assert _worth(session, 64, 8.0)[0] == 64  # the request's first try of its prediction
     session.spec.tried.add("prediction")
-    assert session._worth("prediction", 64, 8.0)[0] == 0  # a fresh run yields less than 30 tokens
-    assert session._worth("prediction", 128, 1000.0)[0] == 0  # acceptance 0.9 still caps the yield
+    assert _worth(session, 64, 8.0)[0] == 0  # a fresh run yields less than 30 tokens
+    assert _worth(session, 128, 1000.0)[0] == 0  # acceptance 0.9 still caps the yield
     session.spec.estimates["prediction"].accepted, session.spec.estimates["prediction"].rejected = 1000.0, 0.01
-    length, expected = session._worth("prediction", 128, 1000.0)
+    length, expected = _worth(session, 128, 1000.0)
     assert length == 128 and expected > 100  # a long proven copy pays
     session.spec.calibration["prediction"] = 0.2  # ...unless its verifies have yielded a fifth of that
-    assert session._worth("prediction", 128, 1000.0)[0] == 0
+    assert _worth(session, 128, 1000.0)[0] == 0
     state.verify_cost.observe(150, 0.05)  # a GPU-like upstream: prefill nearly free
     state.verify_cost.observe(150, 0.05)
-    assert session._worth("prediction", 64, 8.0)[0] > 0
+    assert _worth(session, 64, 8.0)[0] > 0
 
 
 def test_an_upstream_reusing_prompts_is_charged_for_new_tokens_only():
-    from foretell.proxy.server.remote_verify import Session, UpstreamState
+    from foretell.proxy.server.remote_verify import UpstreamState
     from foretell.proxy.server.upstream import Upstream
 
     state = UpstreamState(Upstream(name="u", base_url="http://127.0.0.1:9/v1", verify_predictions="echo"))
-    session = Session(None, state, "m", "x" * 2000, None, 200, (), "y" * 400, False, 128, "req", None, frozenset())
+    session = _session(state, "x" * 2000)
     session.spec.tried.add("prediction")
     for new_tokens, seconds in [(500, 2.0), (500, 2.0), (20, 0.3), (20, 0.3)]:
         state.verify_cost.observe(new_tokens, seconds)
     state.verify_measured = True
     state.plain_token_seconds.extend([0.1, 0.1, 0.1])
-    assert session._worth("prediction", 64, 40.0)[0] == 0  # the whole ~500-token context re-sent: plain wins
+    assert _worth(session, 64, 40.0)[0] == 0  # the whole ~500-token context re-sent: plain wins
     session.shared_with_last_verify = 500  # the last verify held this context...
-    assert session._worth("prediction", 64, 40.0)[0] == 0  # ...but the upstream has not said it reuses it
+    assert _worth(session, 64, 40.0)[0] == 0  # ...but the upstream has not said it reuses it
     state.reuses_prompts = True
-    length, expected = session._worth("prediction", 64, 40.0)
+    length, expected = _worth(session, 64, 40.0)
     assert length > 0 and expected > 1  # only the draft is new: a verify pays
 
 
