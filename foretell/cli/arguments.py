@@ -11,7 +11,7 @@ import sys
 from pathlib import Path
 from typing import Any, Callable
 
-from foretell.proxy.options import DTYPE_CHOICES, KERNEL_CHOICES, QUANTIZE_CHOICES
+from foretell.proxy.options import PRECISION_OPTIONS, Option
 
 
 def read_file(path: str, what: str) -> tuple[bytes, str]:
@@ -53,20 +53,6 @@ def top_p_value(value: str) -> float:
     return number
 
 
-def log_level(value: str) -> str:
-    level = value.strip().lower()
-    if level not in ("debug", "info", "warning", "error"):
-        raise argparse.ArgumentTypeError(f"must be debug, info, warning or error, got {value}")
-    return level
-
-
-def log_format(value: str) -> str:
-    fmt = value.strip().lower()
-    if fmt not in ("text", "json"):
-        raise argparse.ArgumentTypeError(f"must be text or json, got {value}")
-    return fmt
-
-
 def one_of(choices: tuple[str, ...]) -> Callable[[str], str]:
     def convert(value: str) -> str:
         name = value.strip().lower()
@@ -83,47 +69,48 @@ def switch(value: str) -> bool:
     return name in ("1", "true", "on", "yes")
 
 
+def add_option(command, option: Option) -> None:
+    """An option of the table in ``proxy/options.py`` on ``command`` (a parser or a group): its
+    value type, its default read from its environment variable after parsing, its help."""
+    kwargs = {"help": option.full_help()}
+    if option.metavar:
+        kwargs["metavar"] = option.metavar
+    if option.kind == "flag":
+        command.add_argument(option.flag, action="store_true", default=FromEnv(option.env, False, env_flag), **kwargs)
+    elif option.kind == "switch":
+        both = command.add_mutually_exclusive_group()
+        both.add_argument(option.flag, dest=option.name, action="store_true",
+                          default=FromEnv(option.env, option.default, switch), **kwargs)
+        both.add_argument("--no-" + option.flag[2:], dest=option.name, action="store_false",
+                          help=option.negative_help)
+    elif option.kind == "keys":
+        # argparse appends to a list default, so this one is read now (a list needs no checking).
+        command.add_argument(option.flag, action="append", default=comma_list(os.environ.get(option.env, "")),
+                             **kwargs)
+    else:
+        convert = one_of(option.choices) if option.kind == "choice" else _CONVERTERS[option.kind]
+        command.add_argument(option.flag, type=convert, default=FromEnv(option.env, option.default, convert),
+                             **kwargs)
+
+
+def add_options(command, options: dict[str, Option]) -> None:
+    for option in options.values():
+        add_option(command, option)
+
+
 def add_precision_options(command: argparse.ArgumentParser) -> None:
-    """--dtype, --fp32-head / --no-fp32-head and --quantize, the same on generate and serve.
-    Each is None when neither the command line nor the environment sets it (serve then takes
-    the configuration file's local route, else the default)."""
-    command.add_argument("--dtype", type=one_of(DTYPE_CHOICES),
-                         default=FromEnv("FORETELL_DTYPE", None, one_of(DTYPE_CHOICES)),
-                         help="weights' dtype: auto (default: float32 beside --quantize auto's int8, "
-                              "else bfloat16 on CUDA and on a CPU with native bf16, else float32), "
-                              "float32 (text identical to plain greedy decoding but at near ties; "
-                              "with --quantize auto it keeps float32 throughout), bfloat16 or "
-                              "float16 (identical to this engine's own plain decoding except at near "
-                              "ties; see the README) (env: FORETELL_DTYPE)")
-    head = command.add_mutually_exclusive_group()
-    head.add_argument("--fp32-head", dest="fp32_head", action="store_true",
-                      default=FromEnv("FORETELL_FP32_HEAD", None, switch),
-                      help="score each row's leading tokens in float32 over an approximate head "
-                           "(bf16/fp16 or int8), so that rounding does not decide between them "
-                           "(default: on for int8, and for bf16/fp16 unquantized; with int4 it keeps "
-                           "the head in bf16) (env: FORETELL_FP32_HEAD=1 or 0)")
-    head.add_argument("--no-fp32-head", dest="fp32_head", action="store_false",
-                      help="take the logits at the head's own precision")
-    command.add_argument("--quantize", type=one_of(QUANTIZE_CHOICES),
-                         default=FromEnv("FORETELL_QUANTIZE", None, one_of(QUANTIZE_CHOICES)),
-                         help="quantization of the linear layers: auto (default: int8 on a CPU where "
-                              "it measures faster than float32 on the output head, timed once per "
-                              "machine; none on CUDA or beside a --dtype given by name), none, int8 "
-                              "(int8 weights x int8 activations in exact integer sums through FBGEMM "
-                              "on x86: one text per request, speculative text identical to its own "
-                              "plain text; weight-only elsewhere) or int4 (torchao weight-only, "
-                              "groups of 128; identical to its own plain decoding except at near "
-                              "ties) (env: FORETELL_QUANTIZE)")
+    """--dtype, --fp32-head / --no-fp32-head, --quantize and --kernels, the same on generate and
+    serve. Each is None when neither the command line nor the environment sets it (serve then
+    takes the configuration file's local route, else the default)."""
+    add_options(command, PRECISION_OPTIONS)
 
 
-def add_kernels_option(command: argparse.ArgumentParser) -> None:
-    command.add_argument("--kernels", type=one_of(KERNEL_CHOICES),
-                         default=FromEnv("FORETELL_KERNELS", None, one_of(KERNEL_CHOICES)),
-                         help="attention and verification kernels: auto (default: Triton on CUDA, "
-                              "each checked against its torch reference at start-up and replaced "
-                              "by it if it fails; the torch references elsewhere), triton (also on "
-                              "a CPU under TRITON_INTERPRET=1: slow, for tests) or reference "
-                              "(env: FORETELL_KERNELS)")
+def env_flag(raw: str) -> bool:
+    return raw not in ("", "0")
+
+
+def comma_list(raw: str) -> list[str]:
+    return [part for part in raw.split(",") if part]
 
 
 def seconds(value: str) -> float:
@@ -186,3 +173,6 @@ def non_negative_float(value: str) -> float:
     if number < 0:
         raise argparse.ArgumentTypeError("must be 0 or more")
     return number
+
+
+_CONVERTERS = {"text": str, "int": int, "positive_int": positive_int, "non_negative_float": non_negative_float}

@@ -7,7 +7,7 @@ import argparse
 import os
 import sys
 
-from foretell.cli.arguments import (add_kernels_option, add_precision_options, needs_proxy_extra,
+from foretell.cli.arguments import (add_precision_options, needs_proxy_extra,
                                     positive_int, read_text, temperature_value, top_p_value)
 from foretell.origin_colors import CHOICES, legend, paint_spans, use_color
 
@@ -65,7 +65,6 @@ def add_parser(commands) -> None:
     generate.add_argument("--json-stats", action="store_true",
                           help="print the statistics to stderr as one JSON object")
     add_precision_options(generate)
-    add_kernels_option(generate)
 
 
 def _format_stats(stats, finish_reason: str) -> str:

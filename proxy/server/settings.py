@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from foretell.proxy.options import (DEFAULT_MAX_TOKENS, DRAFT_CACHE_TOKENS, KV_CACHE_TOKENS, MAX_BODY_BYTES,
+from foretell.proxy.options import (DEFAULT_MAX_TOKENS, DRAFT_CACHE_SCOPE, DRAFT_CACHE_TOKENS, KV_CACHE_TOKENS, MAX_BODY_BYTES,
                                     MAX_PREDICTION_CHARS, MAX_QUEUE, MAX_RUNNING, PREFILL_CHUNK)
 from foretell.proxy.server.upstream import RouteTable
 
@@ -38,5 +38,5 @@ class ServerSettings:
     kernels: str | None = None  # None: FORETELL_KERNELS, else auto
     # The draft cache of earlier answers: whose answers a request drafts from (draft_scope.py:
     # key, user, global or off) and how many output tokens it holds, all scopes together.
-    draft_cache_scope: str = "key"
+    draft_cache_scope: str = DRAFT_CACHE_SCOPE
     draft_cache_tokens: int = DRAFT_CACHE_TOKENS

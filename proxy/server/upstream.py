@@ -40,7 +40,7 @@ import httpx
 from starlette.background import BackgroundTask
 from starlette.responses import Response, StreamingResponse
 
-from foretell.proxy.options import DTYPE_CHOICES, PRECISION_KEYS, QUANTIZE_CHOICES
+from foretell.proxy.options import PRECISION_KEYS, PRECISION_OPTIONS
 from foretell.proxy.server.api_error import APIError
 from foretell.proxy.server.redact import Redactor
 
@@ -181,7 +181,8 @@ def _local_precision(model: str, spec: dict) -> tuple[tuple[str, object], ...]:
         raise ValueError(f"model {model!r}: {', '.join(k for k, _ in given)} apply to a local model "
                          "(local = true) only")
     for key, value in given:
-        choices = {"dtype": DTYPE_CHOICES, "quantize": QUANTIZE_CHOICES, "fp32_head": (True, False)}[key]
+        option = PRECISION_OPTIONS[key]
+        choices = option.choices if option.kind == "choice" else (True, False)
         if not any(type(value) is type(choice) and value == choice for choice in choices):  # 1 is no True
             raise ValueError(f"model {model!r}: {key} must be one of "
                              f"{', '.join(str(c).lower() for c in choices)}, got {value!r}")
