@@ -15,7 +15,7 @@ Everything else is done here, once, for every verifier:
   the output, and the prediction's accepted / rejected token counts at the end.
 
 Two verifiers drive it: the engine's batched step (``engine.py``; ``Sequence`` adds the KV cache,
-the sampler and log-probabilities) and an upstream's echo answers (``server/remote_verify.py``).
+the sampler and log-probabilities) and an upstream's echo answers (``server/remote_verify/``).
 Keys are token ids, except where an upstream's tokenizer is unknown here: then they are the
 upstream's token strings, and text is what they spell.
 """

@@ -14,7 +14,7 @@ entries, as OpenAI and vLLM).
 runs one token, which is dropped).
 
 This is what evaluation tools (lm-evaluation-harness' loglikelihood) need, and what makes a
-second ``foretell serve`` a faithful upstream for remote verification (``remote_verify.py``).
+second ``foretell serve`` a faithful upstream for remote verification (``remote_verify/``).
 
 The server calls ``run`` for a local completion that asks for echo or token ids (the rest takes
 the ordinary path, ``local_generation.py``). vLLM's ``/tokenize`` and ``/detokenize``, which

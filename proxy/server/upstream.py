@@ -69,7 +69,7 @@ class Upstream:
     timeout_seconds: float = 60.0
     connect_timeout_seconds: float = 10.0
     max_retries: int = 2
-    # Remote verification of predictions through echo requests (see remote_verify.py): "off"
+    # Remote verification of predictions through echo requests (see remote_verify/): "off"
     # (the default), "echo" (on), "auto" (on when a probe at start-up finds echo with prompt
     # logprobs). Each verify re-sends the whole context: never on for an upstream that bills
     # per prompt token unless you mean it.
