@@ -21,8 +21,8 @@ upstream's name, as a local one's do. A session runs for a greedy request (expli
   lookup's runs of at least ``LOOKUP_MIN_DRAFT`` tokens); what agreed is accepted with the
   recovered or bonus token (``Speculation.accept``);
 - **plain**: where no draft is available (after an edit's seam), a plain greedy stream continues
-  the output (a round with no draft: ``accept(0, tokens)``) and is closed as soon as the output
-  rejoins the prediction, then verify again;
+  the output (a round with no draft: ``accept(0, tokens)``) and is closed as soon as a draft is
+  worth verifying again (the output rejoins the prediction, or prompt lookup finds a run);
 - **when**: the request's first prediction draft is always verified (the prediction is presumed
   right where the output starts, so one echo request at most is risked); after that a verify is
   sent only while its expected yield beats plain decoding for the time it costs; both costs are
@@ -59,7 +59,8 @@ The parts, each with one job:
 - ``upstream_state.py``: what is known of each upstream (tokenizer, token ids, costs), its
   start-up probe, and JSON requests with failures as ``RemoteFailure``;
 - ``alignment.py``: one request's token alignment with the upstream and its last exact point;
-- ``session.py``: one request's rounds (choose a draft, verify it, accept);
+- ``draft_choice.py``: which source's draft, how long, and how it is spelled for the upstream;
+- ``session.py``: one request's rounds (verify a draft, accept, or decode plainly);
 - ``plain_stream.py``: plain greedy decoding between verifies;
 - ``verifier.py``: which requests it takes, and the HTTP around a session.
 """
