@@ -528,6 +528,30 @@ def test_an_upstream_reusing_prompts_is_charged_for_new_tokens_only():
     assert length > 0 and expected > 1  # only the draft is new: a verify pays
 
 
+def test_the_source_is_the_engine_s_choice_not_a_fixed_order():
+    # A prediction that keeps missing beside a prompt lookup run that keeps matching: the
+    # engine's chooser drafts from prompt lookup (a fixed "prediction first" order would not).
+    from foretell.proxy.engine.draft_length import DraftOption
+    from foretell.proxy.server.remote_verify import UpstreamState
+    from foretell.proxy.server.remote_verify.draft_choice import choose
+    from foretell.proxy.server.upstream import Upstream
+
+    state = UpstreamState(Upstream(name="u", base_url="http://127.0.0.1:9/v1", verify_predictions="echo"))
+    session = _session(state, "x" * 400)
+    session.spec.tried.add("prediction")
+    state.verify_cost.observe(100, 0.2)
+    state.verify_measured = True
+    state.plain_token_seconds.extend([0.1, 0.1, 0.1])
+    missing = DraftOption("prediction", 0.2, 1.0, 64, 1.0)
+    matching = DraftOption("prompt_lookup", 0.95, 60.0, 32, 1.0)
+    for measured in (True, False):  # measured costs, or not yet (then: the most promising, all of it)
+        state.verify_measured = measured
+        source, length, _ = choose(session, [missing, matching])
+        assert (source, length) == ("prompt_lookup", 32)
+    state.verify_measured = True
+    assert choose(session, [missing])[1] < 64  # alone, the missing prediction drafts little or nothing
+
+
 def test_a_prompt_of_token_ids_is_forwarded_as_sent(servers, tokenizer):
     ids = tokenizer(PROMPT)["input_ids"]
     body = {"model": "tiny", "prompt": ids, "max_tokens": 6, "temperature": 0}
