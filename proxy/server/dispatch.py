@@ -1,6 +1,10 @@
 """Which path answers a generation request: the local engine (``local_generation.py``, or
-``echo.py`` for echo and token ids), remote verification on an upstream (``remote_verify.py``),
-or a plain forward (``upstream.py``); a full local queue goes to the route's fallback upstream."""
+``echo.py`` for echo and token ids), remote verification on an upstream (``remote_verify/``),
+or a plain forward (``upstream.py``); a full local queue goes to the route's fallback upstream.
+
+Fields that would change the text and that foretell does not implement (``unsupported_fields.py``)
+are refused with a 400 on the local engine; a request carrying one is never verified remotely
+(it is forwarded plainly, and its upstream honours the field)."""
 
 from __future__ import annotations
 
@@ -17,6 +21,7 @@ from foretell.proxy.server.redact import Redactor
 from foretell.proxy.server.request_builder import plan
 from foretell.proxy.server.schema import ChatCompletionRequest, validate
 from foretell.proxy.server.state import ServerState, model_loading
+from foretell.proxy.server.unsupported_fields import first_unsupported, refuse_unsupported
 from foretell.proxy.server.upstream import ModelRoute, prepare_body, relay
 
 log = logging.getLogger("foretell.server")
@@ -28,17 +33,24 @@ async def generate(request: Request, server: ServerState, body: dict, schema):
     parsed = await asyncio.to_thread(validate, schema, body)
     route = _route(request, server, parsed)
     planned = plan(parsed, server.settings)  # the limits hold on every route (request_builder.py)
-    path = "/chat/completions" if isinstance(parsed, ChatCompletionRequest) else "/completions"
+    is_chat = isinstance(parsed, ChatCompletionRequest)
+    path = "/chat/completions" if is_chat else "/completions"
     if not route.local:
         upstream = server.settings.routes.upstreams[route.upstream]
 
         async def forward_here():
             return await forward(request, server, upstream, path, body, parsed.stream)
 
-        if server.remote.applies(upstream, parsed, body):
+        # A field we do not implement, set, is the upstream's to answer: never verified here.
+        # remote_verify's own check takes 0 and false for unset (repetition_penalty 0,
+        # add_generation_prompt false); the table knows each field's neutral values. The
+        # upstream's template is not known (None): a field only a template reads counts as set.
+        unverifiable = first_unsupported(body, is_chat=is_chat, chat_template=None)
+        if unverifiable is None and server.remote.applies(upstream, parsed, body):
             return await server.remote.run(request, upstream, parsed, planned, body, forward_here)
         return await forward_here()
     local = server.loaded()
+    refuse_unsupported(body, is_chat=is_chat, chat_template=_template_source(local.tokenizer))
     try:
         if echo.wanted(parsed):  # echo, prompt logprobs, token ids
             return await echo.run(request, server, local, parsed, planned)
@@ -50,6 +62,12 @@ async def generate(request: Request, server: ServerState, body: dict, schema):
                                  parsed.stream)
         raise APIError(429, "the server is busy: queue full", type="rate_limit_error",
                        code="queue_full", headers={"Retry-After": "1"}) from None
+
+
+def _template_source(tokenizer) -> str:
+    """The local model's chat template as text ("" without one: the plain transcript)."""
+    template = getattr(tokenizer, "chat_template", None)
+    return "" if not template else template if isinstance(template, str) else str(template)
 
 
 def _route(request: Request, server: ServerState, parsed) -> ModelRoute:

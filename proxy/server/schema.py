@@ -1,4 +1,11 @@
-"""OpenAI request bodies as we accept them: validated, with unknown fields ignored.
+"""OpenAI request bodies as we accept them, validated.
+
+Fields these models do not name are not validated here: a field that would change the generated
+text and that the local engine does not implement (``response_format``, ``tools``, penalties,
+``logit_bias``, vLLM's and llama.cpp's sampling extensions, ...) is refused with a 400 naming it
+on the local engine, unless sent with its neutral value (``unsupported_fields.py``, checked in
+``dispatch.py``); any other (``store``, ``metadata``, ``service_tier``, ...) is ignored, so a new
+field that changes the text belongs in that table. A plain forward relays them all as sent.
 
 Validation failures become ``APIError`` (400, OpenAI's error envelope) in the server, never
 FastAPI's 422.
@@ -29,7 +36,8 @@ SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1
 
 
 class _Lenient(BaseModel):
-    # Unknown OpenAI fields (and future ones) are accepted and ignored.
+    # Fields not named here pass validation; those that change the text and are not
+    # implemented are refused later, where the route is known (unsupported_fields.py).
     model_config = ConfigDict(extra="ignore")
 
     @model_validator(mode="before")
@@ -62,7 +70,8 @@ class TextPart(_Lenient):
 
 
 class Prediction(_Lenient):
-    type: Literal["content"]
+    # Goose sends {"content": ...} without a type; "content" is the only one OpenAI has.
+    type: Literal["content"] = "content"
     content: Union[Text, list[TextPart]]
 
     def text(self) -> str:
