@@ -157,3 +157,43 @@ def assert_envelope(response, status: int, param=None) -> dict:
     if param is not None:
         assert error["param"] == param, error
     return error
+
+
+class GrammarOracle:
+    """A transformers logits processor holding the output to an llguidance grammar: the slow
+    oracle of constrained decoding. It re-derives each step's allowed tokens from the tokens
+    generated so far with llguidance's byte-per-token mask (``compute_logit_bias``), another
+    path than the engine's bitmasks."""
+
+    def __init__(self, llg_tokenizer, grammar: str, prompt_length: int):
+        import llguidance
+
+        self.matcher = llguidance.LLMatcher(llg_tokenizer, grammar, log_level=0)
+        self.prompt_length, self.consumed = prompt_length, 0
+
+    def __call__(self, input_ids, scores):
+        generated = input_ids[0, self.prompt_length:].tolist()
+        assert self.matcher.consume_tokens(generated[self.consumed:]), self.matcher.get_error()
+        self.consumed = len(generated)
+        allowed = torch.frombuffer(bytearray(self.matcher.compute_logit_bias()), dtype=torch.uint8) > 0
+        width = min(scores.shape[-1], allowed.shape[0])
+        masked = torch.full_like(scores, float("-inf"))
+        masked[:, :width] = scores[:, :width].masked_fill(~allowed[:width].to(scores.device), float("-inf"))
+        return masked
+
+
+@torch.inference_mode()
+def constrained_greedy_reference(model, prompt_ids: list[int], max_new_tokens: int, llg_tokenizer,
+                                 grammar: str, eos_ids) -> list[int]:
+    """transformers' greedy decoding under ``GrammarOracle``, ending on any of ``eos_ids``."""
+    from transformers import LogitsProcessorList
+
+    device = next(model.parameters()).device
+    out = model.generate(
+        torch.tensor([prompt_ids], device=device), max_new_tokens=max_new_tokens, do_sample=False,
+        attention_mask=torch.ones(1, len(prompt_ids), dtype=torch.long, device=device),
+        logits_processor=LogitsProcessorList([GrammarOracle(llg_tokenizer, grammar, len(prompt_ids))]),
+        eos_token_id=sorted(eos_ids),
+    )
+    tokens = out[0, len(prompt_ids):].tolist()
+    return tokens

@@ -84,6 +84,17 @@ def test_a_wheel_carries_the_license_and_the_py_typed_markers(wheel):
     assert "END OF TERMS AND CONDITIONS" in text
 
 
+def test_a_wheel_carries_every_module_of_the_sources(wheel):
+    """Every .py file of the packages' folders is in the wheel under its import path (a new
+    subpackage missing from pyproject's package list would import from a checkout only)."""
+    names = set(wheel.namelist())
+    where = {"foretell": "foretell", "sdk": "foretell/sdk", "proxy": "foretell/proxy", "kernels": "foretell/kernels"}
+    missing = [str(path) for folder, target in where.items() for path in (ROOT / folder).rglob("*.py")
+               if "__pycache__" not in path.parts
+               and f"{target}/{path.relative_to(ROOT / folder).as_posix()}" not in names]
+    assert not missing, missing
+
+
 def test_a_wheel_carries_the_playground_page(wheel):
     """The page is package data: the wheel holds its three files."""
     assert {f"foretell/proxy/server/static/{name}"

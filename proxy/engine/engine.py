@@ -40,6 +40,7 @@ from foretell.proxy.engine.draft_length import (
     PassCostModel,
     choose_step_drafts,
 )
+from foretell.proxy.engine.grammar import MaskJob, mask_rows
 from foretell.proxy.engine.invariant_linear import Int8DynamicLinear
 from foretell.proxy.engine.kernel_choice import AttentionShape, choose_kernels
 from foretell.proxy.engine.kv_cache import FULL, SLIDING, CacheFullError, PagedKVCache, SequenceBlocks
@@ -195,7 +196,7 @@ class SpeculativeEngine:
         plan = self._plan(sequences)
         if not plan:
             return []
-        feeds = []
+        feeds, masks = [], MaskJob()
         for seq, chunk, verifies in plan:
             start = seq.blocks.committed
             tokens = seq.prompt[start:start + chunk]
@@ -205,10 +206,13 @@ class SpeculativeEngine:
                 logits_from = 0
             if verifies:
                 tokens = tokens + [seq.pending] + seq.draft
+                if seq.grammar is not None:  # its rows' masks, computed while the pass runs
+                    masks.start(seq, seq.grammar, seq.draft)
             feeds.append((seq.blocks, tokens, logits_from))
         started = time.perf_counter()
         logits = self._forward(feeds)
-        updates, verifying, row = [], [], 0
+        allowed = masks.wait()
+        updates, verifying, unmasked, row = [], [], {}, 0
         for seq, chunk, verifies in plan:
             if seq.prompt_logprobs is not None and chunk > 0:
                 # Row i is the distribution of the prompt token after position committed + i.
@@ -223,6 +227,16 @@ class SpeculativeEngine:
             if not verifies:
                 seq.blocks.committed += chunk
                 continue
+            rows = logits[row:row + len(seq.draft) + 1]  # [k+1, V]
+            if seq.grammar is not None:
+                if isinstance(allowed[seq], Exception):
+                    seq.finish("error")
+                    updates.append(SequenceUpdate(seq, [], "", [], error=allowed[seq]))
+                    row += len(seq.draft) + 1
+                    continue
+                if seq.logprobs is not None:  # the model's own log-probabilities, before the mask
+                    unmasked[seq] = rows.clone()
+                mask_rows(rows, allowed[seq])
             verifying.append((seq, chunk, VerifyRows(row, seq.draft, seq.sampler)))
             row += len(seq.draft) + 1
         outcomes = verify_step(self.kernels, logits, [entry for _, _, entry in verifying])
@@ -231,7 +245,7 @@ class SpeculativeEngine:
                 if isinstance(outcome, Exception):
                     raise outcome
                 accepted, new_tokens = outcome
-                rows = logits[entry.first_row:entry.first_row + len(entry.draft) + 1]  # [k+1, V]
+                rows = unmasked.get(seq, logits[entry.first_row:entry.first_row + len(entry.draft) + 1])  # [k+1, V]
                 logprobs = (token_logprobs(rows, new_tokens, seq.request.logprobs)
                             if seq.logprobs is not None else None)
                 seq.blocks.committed += chunk + 1 + accepted  # the pending token + accepted drafts
@@ -271,13 +285,12 @@ class SpeculativeEngine:
         for seq in verifying:
             if seq.sampler is not None:
                 source, length = choose_step_drafts([seq.speculation.draft_options()], 1, alone)[0]
-                seq.speculation.set_draft(source, length)
-                fixed += length
+                fixed += _set_draft(seq, source, length)
         greedy = [seq for seq in verifying if seq.sampler is None]
         choices = choose_step_drafts([seq.speculation.draft_options() for seq in greedy], fixed, self.pass_cost,
                                      max_positions=fixed + self.max_draft_positions)
         for seq, (source, length) in zip(greedy, choices):
-            seq.speculation.set_draft(source, length)
+            _set_draft(seq, source, length)
         return plan
 
     def _forward(self, feeds: list[tuple[SequenceBlocks, list[int], int | None]]) -> torch.Tensor:
@@ -372,6 +385,17 @@ class SpeculativeEngine:
 
         self.sampling_cost = PassCostModel.measure(sample, positions=positions)
         return measured
+
+
+def _set_draft(seq: Sequence, source: str | None, length: int) -> int:
+    """Set the round's draft, cut before the first token its grammar forbids (it would be
+    rejected there: no position is spent on it); its length."""
+    seq.speculation.set_draft(source, length)
+    if seq.grammar is not None and seq.draft:
+        allowed = seq.grammar.allowed(seq.draft)
+        if allowed < len(seq.draft):
+            seq.speculation.set_draft(source, allowed)
+    return len(seq.draft)
 
 
 @contextlib.contextmanager

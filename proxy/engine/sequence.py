@@ -12,6 +12,7 @@ import time
 from dataclasses import dataclass, field
 
 from foretell.proxy.engine.draft_sources import PredictionEncoding
+from foretell.proxy.engine.grammar import Grammar
 from foretell.proxy.engine.kv_cache import SequenceBlocks
 from foretell.proxy.engine.sampling import SpeculativeSampler
 from foretell.proxy.engine.speculation import Output, Speculation, draft_sources
@@ -50,6 +51,9 @@ class GenerationRequest:
     # as far as an earlier prompt's logprobs are known (``prompt_logprob_cache.py``): a cached
     # prefix has no logits.
     prompt_logprobs: int | None = None
+    # The grammar the output must follow (``grammar.Grammar``: structured output), its own
+    # copy; None: free text.
+    grammar: Grammar | None = None
 
 
 @dataclass
@@ -112,6 +116,7 @@ class Sequence:
         self.prompt_logprobs: list[TokenLogprob] | None = (
             [] if request.prompt_logprobs is not None else None)
         self.pending = self.prompt[-1]
+        self.grammar = request.grammar
         self.admitted_at = time.perf_counter()
         # Set by a caller that counts the prediction's usage itself, off the engine's thread
         # (``Speculation.count_prediction_usage``; the scheduler does).
@@ -149,6 +154,8 @@ class Sequence:
             self.first_verify_at = time.perf_counter()
             self.stats.prefill_seconds = self.first_verify_at - self.admitted_at
         kept = self.speculation.accept(accepted, new_tokens)
+        if self.grammar is not None:
+            self.grammar.advance(kept)
         if logprobs is not None:
             logprobs = logprobs[: len(kept)]
             self.logprobs.extend(logprobs)
