@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import json
 
+import torch
+
 import pytest
 
 from foretell.proxy.engine import GenerationRequest, SpeculativeEngine
@@ -96,3 +98,117 @@ def test_batched_constrained_and_free_sequences_each_match_their_oracle(tiny, ti
             reference = constrained_greedy_reference(tiny_model, ids, 24, llg, json_grammar(schema),
                                                      engine.eos_token_ids)
         assert_greedy_equal(tiny_model, ids, results[seq].token_ids, reference, 1e-4)
+
+
+# ---- sampling under a mask ----------------------------------------------------------------------
+
+REGEX = "[a-d][b-f][a-i]*"  # the first two tokens held to a few letters, then any letter or the end
+
+
+@pytest.fixture(scope="module")
+def small():
+    import llguidance
+
+    from tests.helpers import build_small_vocab_model
+
+    model, tokenizer = build_small_vocab_model(logit_scale=0.3)
+    engine = SpeculativeEngine(model, tokenizer)
+
+    class Characters:  # llguidance's view of the 12-token character vocabulary
+        eos_token_id, bos_token_id = tokenizer.eos_token_id, tokenizer.bos_token_id
+        special_token_ids = [0, 1, 2]
+        tokens = [b"<pad>", b"<eos>", b"<bos>"] + [tokenizer.convert_ids_to_tokens(i).encode()
+                                                  for i in range(3, model.config.vocab_size)]
+
+        def __call__(self, text):
+            return tokenizer(text if isinstance(text, str) else text.decode(), add_special_tokens=False)["input_ids"]
+
+    llg = llguidance.LLTokenizer(llguidance.TokenizerWrapper(Characters()), n_vocab=model.config.vocab_size)
+    return model, tokenizer, engine, llg
+
+
+def _masked_exact_distribution(model, llg, grammar, prompt_ids, length, eos, temperature):
+    """P(first ``length`` tokens) of sampling under the grammar, enumerated: each prefix's
+    allowed tokens from a fresh matcher, the target's probabilities renormalised over them."""
+    import llguidance
+
+    from foretell.proxy.engine.sampling import target_probs
+
+    result = {}
+
+    def walk(prefix, mass):
+        if len(prefix) == length or (prefix and prefix[-1] == eos):
+            result[tuple(prefix)] = result.get(tuple(prefix), 0.0) + mass
+            return
+        matcher = llguidance.LLMatcher(llg, grammar, log_level=0)
+        assert all(matcher.consume_token(t) for t in prefix)
+        allowed = torch.frombuffer(bytearray(matcher.compute_logit_bias()), dtype=torch.uint8) > 0
+        logits = model(input_ids=torch.tensor([prompt_ids + prefix])).logits[0, -1:]
+        logits = logits.masked_fill(~allowed[:logits.shape[-1]], float("-inf"))
+        for token, p in enumerate(target_probs(logits, temperature, None, 1.0)[0].tolist()):
+            if p > 0:
+                walk(prefix + [token], mass * p)
+
+    with torch.inference_mode():
+        walk([], 1.0)
+    return result
+
+
+def _constrained_counts(small, grammar, prediction):
+    from tests.proxy.engine import test_sampling
+
+    model, tokenizer, engine, llg = small
+    prompt_ids = tokenizer("abcabd")["input_ids"]
+    template = Grammar(llg, grammar, model.config.vocab_size)
+    real_add = engine.add
+
+    def add_with_grammar(request):  # each sampled request its own copy of the grammar
+        import dataclasses
+        return real_add(dataclasses.replace(request, grammar=template.copy()))
+
+    engine.add = add_with_grammar
+    try:
+        return test_sampling.sample_many(engine, prompt_ids, prediction, temperature=1.0)
+    finally:
+        engine.add = real_add
+
+
+@pytest.fixture(scope="module")
+def masked_expected(small):
+    import llguidance
+
+    model, tokenizer, engine, llg = small
+    grammar = llguidance.LLMatcher.grammar_from_regex(REGEX)
+    expected = _masked_exact_distribution(model, llg, grammar, tokenizer("abcabd")["input_ids"], 3,
+                                          tokenizer.eos_token_id, 1.0)
+    return grammar, expected
+
+
+def test_sampling_under_a_mask_follows_the_masked_distribution(small, masked_expected):
+    from tests.proxy.engine.test_sampling import SAMPLES, chi_square
+
+    grammar, expected = masked_expected
+    # A prediction the grammar allows at first ("ab...") and forbids later ("z" is no letter here).
+    counts, drafted, accepted = _constrained_counts(small, grammar, "bcaaz")
+    assert drafted > 0 and 0 < accepted < drafted  # speculation ran, with both outcomes
+    stat, critical = chi_square(counts, expected, SAMPLES)
+    assert stat < critical, f"chi-square {stat:.1f} >= {critical:.1f}: not the masked distribution"
+
+
+def test_the_masked_test_catches_a_mask_that_ignores_the_draft(small, masked_expected, monkeypatch):
+    # Wrong: every row masked as the first one is (the draft tokens before it not consumed).
+    from tests.proxy.engine.test_sampling import SAMPLES, chi_square
+
+    right = Grammar.masks
+
+    def first_row_everywhere(self, draft):
+        return right(self, []).expand(len(draft) + 1, -1).clone()
+
+    monkeypatch.setattr(Grammar, "masks", first_row_everywhere)
+    grammar, expected = masked_expected
+    # It emits a token the grammar forbids (the matcher refuses it: the request fails) or
+    # skews the distribution.
+    with pytest.raises((AssertionError, ValueError)):
+        counts, _, _ = _constrained_counts(small, grammar, "bcaaz")
+        stat, critical = chi_square(counts, expected, SAMPLES)
+        assert stat < critical
