@@ -65,6 +65,7 @@ class Grammar:
         from llguidance import LLMatcher
 
         self.vocab_size = vocab_size
+        self.eos_ids = frozenset(tokenizer.eos_tokens)
         self.matcher = LLMatcher(tokenizer, grammar, log_level=0)
         if self.matcher.is_error():
             raise ValueError(f"the grammar is not valid: {self.matcher.get_error()}")
@@ -72,7 +73,7 @@ class Grammar:
     def copy(self) -> "Grammar":
         """An independent copy in the same state (each of ``n`` choices runs its own)."""
         twin = object.__new__(Grammar)
-        twin.vocab_size, twin.matcher = self.vocab_size, self.matcher.deep_copy()
+        twin.vocab_size, twin.eos_ids, twin.matcher = self.vocab_size, self.eos_ids, self.matcher.deep_copy()
         return twin
 
     def allowed(self, draft: list[int]) -> int:
@@ -85,12 +86,21 @@ class Grammar:
         from llguidance.torch import allocate_token_bitmask, fill_next_token_bitmask
 
         rows = len(draft) + 1
-        bitmask = allocate_token_bitmask(rows, self.vocab_size)  # [k+1, ceil(V/32)] int32
+        bitmask = allocate_token_bitmask(rows, self.vocab_size)  # [k+1, ceil(V/32)] int32, all allowed
+        consumed = 0
         for i in range(rows):
             fill_next_token_bitmask(self.matcher, bitmask, i)
-            if i < len(draft) and not self.matcher.consume_token(draft[i]):
+            if i == len(draft):
+                break
+            if draft[i] in self.eos_ids:
+                # The output ends there: the rows after it are never read, and keep "all allowed"
+                # (no row without mass). Not consumed: llguidance's rollback does not count an
+                # EOS, so rolling it back would undo one token too many.
+                break
+            if not self.matcher.consume_token(draft[i]):
                 raise ValueError("a draft token the grammar had allowed was refused")
-        self.matcher.rollback(len(draft))
+            consumed += 1
+        self.matcher.rollback(consumed)
         # Bit j of word w is token 32 w + j (little-endian words).
         bits = np.unpackbits(bitmask.numpy().view(np.uint8), axis=1, bitorder="little")  # [k+1, 32 words]
         return torch.from_numpy(bits[:, :self.vocab_size].astype(bool))  # [k+1, V]

@@ -212,3 +212,38 @@ def test_the_masked_test_catches_a_mask_that_ignores_the_draft(small, masked_exp
         counts, _, _ = _constrained_counts(small, grammar, "bcaaz")
         stat, critical = chi_square(counts, expected, SAMPLES)
         assert stat < critical
+
+
+def test_a_draft_ending_in_eos_leaves_the_grammar_where_it_was(tiny, tokenizer):
+    # llguidance's rollback does not count a consumed EOS: masks over a draft that ends the
+    # output must not undo one token too many (the draft cache proposes earlier answers, EOS
+    # included).
+    engine, llg = tiny
+    grammar = _grammar(llg, engine, {"type": "object", "properties": {"ok": {"type": "boolean"}},
+                                     "required": ["ok"], "additionalProperties": False})
+    answer = tokenizer('{"ok": true}', add_special_tokens=False)["input_ids"]
+    grammar.advance(answer[:2])
+    draft = answer[2:] + [tokenizer.eos_token_id]
+    assert grammar.allowed(draft) == len(draft)
+    allowed = grammar.masks(draft)
+    assert allowed.shape == (len(draft) + 1, engine.model.config.vocab_size)
+    assert [bool(allowed[i, token]) for i, token in enumerate(draft)] == [True] * len(draft)
+    grammar.advance(draft)  # the state was left where it was: the whole draft still fits
+    assert grammar.matcher.is_stopped()
+
+
+def test_drafts_from_an_earlier_constrained_answer_are_exact(tiny_model, tokenizer):
+    from foretell.proxy.engine.draft_cache import DraftCache
+
+    engine = SpeculativeEngine(tiny_model, tokenizer, draft_cache=DraftCache())
+    llg = grammar_tokenizer(tokenizer, tiny_model.config.vocab_size, engine.eos_token_ids)
+    schema = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"],
+              "additionalProperties": False, "x-guidance": {"whitespace_flexible": False}}
+    prompt_ids = tokenizer(PROMPT)["input_ids"]
+    reference = constrained_greedy_reference(tiny_model, prompt_ids, 40, llg, json_grammar(schema),
+                                             engine.eos_token_ids)
+    for _ in range(2):  # the second drafts the first's answer, its EOS included
+        result = engine.generate(GenerationRequest(prompt_ids=prompt_ids, max_tokens=40, draft_cache_scope="s",
+                                                   grammar=_grammar(llg, engine, schema)))
+        assert_greedy_equal(tiny_model, prompt_ids, result.token_ids, reference, 1e-4)
+    assert result.stats.accepted_tokens > 0
