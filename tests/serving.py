@@ -49,7 +49,14 @@ class ServedApp:
         deadline = time.monotonic() + timeout
         called = False
         while True:
-            health = httpx.get(self.base + "/health", timeout=10)
+            try:
+                health = httpx.get(self.base + "/health", timeout=10)
+            except httpx.TimeoutException:
+                # Another in-process server loading its model on a busy machine can hold the GIL
+                # for seconds: the poll waits again, until the deadline.
+                if time.monotonic() > deadline:
+                    raise
+                continue
             if health.status_code == 200:
                 return self
             if health.json().get("status") == "error":
@@ -68,11 +75,13 @@ class ServedApp:
 
 
 def tiny_app(folder, *, served_model_name: str = "tiny", **settings):
-    """The app ``foretell serve --model FOLDER --no-calibrate`` builds, in float32."""
+    """The app ``foretell serve --model FOLDER --no-calibrate --no-grammar-warmup`` builds, in float32."""
     from foretell.proxy.server.app import ServerSettings, create_app
 
     settings.setdefault("dtype", "float32")
     settings.setdefault("calibrate", False)
+    # As --no-grammar-warmup: a test server builds structured output's table only if it is used.
+    settings.setdefault("grammar_warmup", False)
     return create_app(ServerSettings(model=str(folder), served_model_name=served_model_name, **settings))
 
 

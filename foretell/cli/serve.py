@@ -63,6 +63,7 @@ def run(args: argparse.Namespace) -> int:
         metrics_public=args.metrics_public, dtype=args.dtype, quantize=args.quantize,
         fp32_head=args.fp32_head, kernels=args.kernels,
         draft_cache_scope=args.draft_cache_scope, draft_cache_tokens=args.draft_cache_tokens,
+        grammar_warmup=not args.no_grammar_warmup,
     )
     import logging
 

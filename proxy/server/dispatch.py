@@ -21,7 +21,7 @@ from foretell.proxy.server.redact import Redactor
 from foretell.proxy.server.request_builder import plan
 from foretell.proxy.server.schema import ChatCompletionRequest, validate
 from foretell.proxy.server.state import ServerState, model_loading
-from foretell.proxy.server.unsupported_fields import first_unsupported, refuse_unsupported
+from foretell.proxy.server.unsupported_fields import refuse_unsupported
 from foretell.proxy.server.upstream import ModelRoute, prepare_body, relay
 
 log = logging.getLogger("foretell.server")
@@ -41,16 +41,14 @@ async def generate(request: Request, server: ServerState, body: dict, schema):
         async def forward_here():
             return await forward(request, server, upstream, path, body, parsed.stream)
 
-        # A field we do not implement, set, is the upstream's to answer: never verified here.
-        # remote_verify's own check takes 0 and false for unset (repetition_penalty 0,
-        # add_generation_prompt false); the table knows each field's neutral values. The
-        # upstream's template is not known (None): a field only a template reads counts as set.
-        unverifiable = first_unsupported(body, is_chat=is_chat, chat_template=None)
-        if unverifiable is None and server.remote.applies(upstream, parsed, body):
+        if server.remote.applies(upstream, parsed, body):  # never with a field we do not implement
             return await server.remote.run(request, upstream, parsed, planned, body, forward_here)
         return await forward_here()
     local = server.loaded()
     refuse_unsupported(body, is_chat=is_chat, chat_template=_template_source(local.tokenizer))
+    if planned.json_schema is not None and echo.wanted(parsed):
+        raise APIError(400, "response_format other than text is not supported with echo or "
+                       "return_tokens_as_token_ids", param="response_format")
     try:
         if echo.wanted(parsed):  # echo, prompt logprobs, token ids
             return await echo.run(request, server, local, parsed, planned)

@@ -11,6 +11,7 @@ from fastapi import Request
 from foretell.proxy.engine.draft_sources import PredictionEncoding
 from foretell.proxy.engine.scheduler import TokensEvent
 from foretell.proxy import prediction_usage
+from foretell.proxy.server.api_error import APIError
 from foretell.proxy.server.draft_scope import draft_cache_scope, key_identity
 from foretell.proxy.server.local_jobs import LocalJob, answer
 from foretell.proxy.server.logprobs_format import (
@@ -30,12 +31,12 @@ async def run(request: Request, server, local, parsed, plan: RequestPlan):
     # Templates and tokenisation take seconds on a large prompt or prediction: off the event loop,
     # and off the engine's thread (which would stall every running stream for as long).
     async with server.prompt_slots:
-        prompt_ids, prediction = await asyncio.to_thread(_tokenise, local.tokenizer, parsed, plan, local.context)
+        prompt_ids, prediction, grammar = await asyncio.to_thread(_tokenise, local, parsed, plan)
     settings = server.settings
     key = key_identity(request.headers.get("authorization")) if settings.api_keys else None
     scope = draft_cache_scope(settings.draft_cache_scope, key, parsed.user, plan.draft_cache)
     choices = engine_requests(parsed, plan, prompt_ids, local, draft_cache_scope=scope,
-                              prediction_encoding=prediction)
+                              prediction_encoding=prediction, grammar=grammar)
     shape, texts = Shape(local.name, plan.is_chat), TokenTexts(local.tokenizer)
     origins = OriginSpans(local.tokenizer, choices[0].stop) if plan.report_origins and parsed.stream else None
     return await answer(request, server, local, choices, parsed.stream,
@@ -43,12 +44,23 @@ async def run(request: Request, server, local, parsed, plan: RequestPlan):
                         lambda results: _body(shape, texts, results))
 
 
-def _tokenise(tokenizer, parsed, plan: RequestPlan, context: int | None):
-    prompt_ids = request_prompt_ids(tokenizer, parsed, plan.is_chat, context)
+def _tokenise(local, parsed, plan: RequestPlan):
+    """The prompt's ids, the prediction's encoding and the output's grammar (structured output),
+    each None where the request has none."""
+    prompt_ids = request_prompt_ids(local.tokenizer, parsed, plan.is_chat, local.context)
+    grammar = _grammar(local, plan) if plan.json_schema is not None else None
     if not plan.prediction:
-        return prompt_ids, None
+        return prompt_ids, None, grammar
     prediction_usage.expect(plan.prediction)  # counted when the request finishes
-    return prompt_ids, PredictionEncoding.of(tokenizer, plan.prediction)
+    return prompt_ids, PredictionEncoding.of(local.tokenizer, plan.prediction), grammar
+
+
+def _grammar(local, plan: RequestPlan):
+    try:
+        return local.grammar(plan.json_schema)
+    except ValueError as error:
+        param = "response_format.json_schema.schema" if plan.json_schema else "response_format"
+        raise APIError(400, f"response_format: {error}", param=param, code="invalid_json_schema") from None
 
 
 def _body(shape: Shape, texts: TokenTexts, results) -> dict:

@@ -30,6 +30,24 @@ class LocalModel:
         # marker, or the chat template's end-of-turn tokens.
         self.chat_stops, self.chat_stop_token_ids = implied_chat_stops(self.tokenizer)
 
+    def grammar(self, schema: dict):
+        """A request's output grammar (``engine/grammar.py``) for a JSON schema ({} for any JSON
+        object), which ends at the model's EOS (in a chat too: the end of turn would not end a
+        completion, and one table serves both). ValueError for a schema the grammar engine
+        cannot take. Call it off the event loop: it compiles the schema."""
+        from foretell.proxy.engine.grammar import Grammar, json_grammar
+
+        vocab_size = self.scheduler.engine.model.config.vocab_size
+        return Grammar(self.grammar_tokenizer(), json_grammar(schema or None), vocab_size)
+
+    def grammar_tokenizer(self):
+        """llguidance's table of the vocabulary, built once: seconds at 262k tokens, holding the
+        GIL (every stream waits meanwhile), so the loader builds it before the model is ready."""
+        from foretell.proxy.engine.grammar import grammar_tokenizer
+
+        engine = self.scheduler.engine
+        return grammar_tokenizer(self.tokenizer, engine.model.config.vocab_size, engine.eos_token_ids)
+
 
 def default_loader(settings: ServerSettings):
     """``load(metrics) -> LocalModel`` for ``settings.model`` (the embedded model when None)."""
@@ -68,6 +86,12 @@ def default_loader(settings: ServerSettings):
             metrics.record_cache(engine.cache, engine.draft_cache)
 
         scheduler = Scheduler(engine, settings.max_queue, settings.max_running, on_result=record)
-        return LocalModel(loaded, scheduler, name)
+        local = LocalModel(loaded, scheduler, name)
+        if settings.grammar_warmup:
+            try:
+                local.grammar_tokenizer()  # structured output's table: now, not in the middle of serving
+            except ValueError as error:  # a slow (Python) tokenizer: structured output answers 400
+                log.warning("structured output (response_format) unavailable: %s", error)
+        return local
 
     return load

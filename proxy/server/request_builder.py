@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 from foretell.proxy.engine import GenerationRequest
 from foretell.proxy.engine.draft_sources import PredictionEncoding
+from foretell.proxy.engine.grammar import Grammar
 from foretell.proxy.server.api_error import APIError
 from foretell.proxy.server.schema import ChatCompletionRequest
 
@@ -33,6 +34,8 @@ class RequestPlan:
     report_origins: bool  # the stream's per-chunk origins (origins.py)
     include_usage: bool  # the stream ends with a usage chunk
     stop: tuple[str, ...]  # the request's own stop strings
+    # Structured output: the JSON schema the output follows, {} for any JSON object; None: free text.
+    json_schema: dict | None = None
 
 
 def plan(parsed, settings) -> RequestPlan:
@@ -60,17 +63,26 @@ def plan(parsed, settings) -> RequestPlan:
         report_origins=bool(speculation and speculation.report_origins),
         include_usage=bool(parsed.stream_options and parsed.stream_options.include_usage),
         stop=parsed.stop_strings(),
+        json_schema=_json_schema(parsed.response_format),
     )
+
+
+def _json_schema(response_format) -> dict | None:
+    if response_format is None or not response_format.constrained():
+        return None
+    return response_format.schema() or {}
 
 
 def engine_requests(parsed, plan: RequestPlan, prompt_ids: list[int], local,
                     prompt_logprobs: int | None = None, draft_cache_scope: str | None = None,
-                    prediction_encoding: PredictionEncoding | None = None) -> list[GenerationRequest]:
+                    prediction_encoding: PredictionEncoding | None = None,
+                    grammar: Grammar | None = None) -> list[GenerationRequest]:
     """The engine requests of a local generation, one per choice; APIError 400 when the
     completion cannot fit the model's context, or for ``n > 1`` in a stream. ``prompt_logprobs``:
     the prompt's log-probabilities with that many alternatives (echo); ``draft_cache_scope``: the
     tenant scope whose earlier answers it drafts from (``draft_scope.py``; None: none);
-    ``prediction_encoding``: the prediction tokenised already, shared by every choice."""
+    ``prediction_encoding``: the prediction tokenised already, shared by every choice;
+    ``grammar``: the output's grammar (structured output), each choice its own copy."""
     tokens = max(plan.max_tokens, 1)  # a score-only echo runs one token, which is dropped
     if local.context is not None and tokens > local.context - len(prompt_ids):
         raise APIError(400, f"max_tokens {plan.max_tokens} plus the prompt's {len(prompt_ids)} tokens "
@@ -90,8 +102,10 @@ def engine_requests(parsed, plan: RequestPlan, prompt_ids: list[int], local,
         # A seeded sampled request drafts from itself alone: its random draws follow its draft
         # lengths, and its seed must replay whatever the cache holds by then.
         draft_cache_scope=None if parsed.seed is not None and (parsed.temperature or 0) > 0 else draft_cache_scope,
+        grammar=grammar,
     )
     # n choices are sibling sequences sharing the prompt's blocks; a seeded request's further
     # choices take the next seeds (modulo 2**64), so they differ yet replay.
-    return [first] + [dataclasses.replace(first, seed=None if first.seed is None else (first.seed + i) % 2**64)
+    return [first] + [dataclasses.replace(first, seed=None if first.seed is None else (first.seed + i) % 2**64,
+                                          grammar=grammar.copy() if grammar is not None else None)
                       for i in range(1, parsed.n)]

@@ -1,7 +1,7 @@
 """OpenAI request bodies as we accept them, validated.
 
 Fields these models do not name are not validated here: a field that would change the generated
-text and that the local engine does not implement (``response_format``, ``tools``, penalties,
+text and that the local engine does not implement (``tools``, penalties,
 ``logit_bias``, vLLM's and llama.cpp's sampling extensions, ...) is refused with a 400 naming it
 on the local engine, unless sent with its neutral value (``unsupported_fields.py``, checked in
 ``dispatch.py``); any other (``store``, ``metadata``, ``service_tier``, ...) is ignored, so a new
@@ -99,6 +99,38 @@ class StreamOptions(_Lenient):
     include_usage: StrictBool = False
 
 
+class JsonSchemaFormat(_Lenient):
+    """OpenAI's ``response_format.json_schema``: the output follows ``schema`` (always exactly:
+    ``strict`` is accepted either way)."""
+
+    name: str | None = None
+    description: str | None = None
+    # "schema" would shadow pydantic's BaseModel.schema.
+    json_schema: dict = Field(alias="schema")
+    strict: StrictBool | None = None
+
+
+class ResponseFormat(_Lenient):
+    """Structured output: free text (the default), any JSON object, or JSON of a schema,
+    decoded under the grammar's mask (``engine/grammar.py``)."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _schema_with_its_type(self):
+        if (self.type == "json_schema") != (self.json_schema is not None):
+            raise ValueError("json_schema is required with type json_schema, and only with it")
+        return self
+
+    def constrained(self) -> bool:
+        return self.type != "text"
+
+    def schema(self) -> dict | None:
+        """The JSON schema the output follows; None: any JSON object."""
+        return self.json_schema.json_schema if self.json_schema is not None else None
+
+
 class _SamplingFields(_Lenient):
     model: str
     max_tokens: StrictInt | None = Field(default=None, ge=1)
@@ -115,6 +147,7 @@ class _SamplingFields(_Lenient):
     user: str | None = None
     prediction: Prediction | None = None
     speculation: Speculation | None = None
+    response_format: ResponseFormat | None = None
 
     @field_validator("stop")
     @classmethod
@@ -245,8 +278,9 @@ class DetokenizeRequest(_Lenient):
 # Every field name of the request models; anything else in an error location is pydantic naming
 # the member of a union it tried ("str", "list[str]", "function-after[...]"): not a param.
 _FIELDS = frozenset(name for model in (CompletionRequest, ChatCompletionRequest, ChatMessage,
-                                       ChatContentPart, Prediction, TextPart, Speculation, StreamOptions)
-                    for name in model.model_fields)
+                                       ChatContentPart, Prediction, TextPart, Speculation, StreamOptions,
+                                       ResponseFormat)
+                    for name in model.model_fields) | {"schema"}
 
 
 def describe_validation_error(error) -> tuple[str, str | None]:

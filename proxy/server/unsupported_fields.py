@@ -3,8 +3,8 @@ implement: one table, and the one check that answers such a field with a 400 nam
 project's rule: a field we do not honour is refused, never ignored silently).
 
 Each field has its *neutral* values, the ones that ask for nothing beyond what the engine does
-anyway; they are accepted, because real clients send them with every request (Sourcegraph Cody's
-``response_format: {"type": "text"}``, ``presence_penalty: 0``, ``tools: []``, ...). A field sent
+anyway; they are accepted, because real clients send them with every request (``presence_penalty:
+0``, ``tools: []``, ...). ``response_format`` is implemented (``engine/grammar.py``), so it is not here. A field sent
 as null never gets here: null means not sent (``schema.py``).
 
 ``dispatch.py`` checks where the route is known: the local engine refuses such a field; remote
@@ -67,10 +67,6 @@ def _never(value, context) -> bool:
     return False
 
 
-def _text_format(value, context) -> bool:
-    return isinstance(value, dict) and value.get("type") == "text"
-
-
 def _zero_biases(value, context) -> bool:
     return isinstance(value, dict) and all(_number(bias) and bias == 0 for bias in value.values())
 
@@ -118,8 +114,6 @@ def _the_max_tokens(value, context) -> bool:
 
 UNSUPPORTED: dict[str, UnsupportedField] = {
     # OpenAI's
-    "response_format": UnsupportedField(_text_format, "structured output (JSON mode, JSON schemas)",
-                                        '{"type": "text"}'),
     "tools": UnsupportedField(_empty, "tool calling", "[]"),
     "tool_choice": UnsupportedField(_no_tool_choice, "tool calling", '"none", or "auto" without tools'),
     "functions": UnsupportedField(_empty, "function calling", "[]"),

@@ -155,7 +155,11 @@ PROBES = [
     ("max_completion_tokens zero", CHAT, chat(max_completion_tokens=0), 400, {}),
     ("decoding fields the local model does not do", C, completion(frequency_penalty=0.5, logit_bias={"1": 2},
                                                                    suffix="x"), 400, {}),
-    ("json mode on the local model", CHAT, chat(response_format={"type": "json_object"}), 400, {}),
+    ("json_schema without its schema", CHAT, chat(response_format={"type": "json_schema"}), 400, {}),
+    ("an unknown response_format", CHAT, chat(response_format={"type": "yaml"}), 400, {}),
+    ("a json_schema that is no schema", CHAT, chat(response_format={"type": "json_schema", "json_schema": {
+        "name": "x", "schema": {"type": "no-such-type"}}}), 400, {}),
+    ("response_format with echo", C, completion(echo=True, response_format={"type": "json_object"}), 400, {}),
     ("tools on the local model", CHAT, chat(tools=[{"type": "function", "function": {"name": "f"}}]), 400, {}),
     # ---- unusual but good
     ("unicode prompt", C, completion(prompt="héllo wörld — 日本語 🙂 עברית\n"), OK, {}),
@@ -176,6 +180,7 @@ PROBES = [
     ("neutral decoding fields", CHAT, chat(response_format={"type": "text"}, presence_penalty=0, frequency_penalty=0,
                                            logit_bias={}, tools=[], tool_choice="auto", parallel_tool_calls=True),
      OK, {}),
+    ("json mode", CHAT, chat(response_format={"type": "json_object"}, max_tokens=4), OK, {}),
     ("chat with null content", CHAT, chat(messages=[{"role": "system", "content": None},
                                                     {"role": "user", "content": "Hi"}]), OK, {}),
     ("chat in unicode", CHAT, chat(messages=[{"role": "developer", "content": "Réponds en français ✓"},

@@ -17,12 +17,15 @@ from foretell.proxy.server.remote_verify.session import DEFAULT_MAX_DRAFT, Remot
 from foretell.proxy.server.remote_verify.upstream_state import UpstreamClient, UpstreamState
 from foretell.proxy.server.responses import ClientGone, ClientWatch, Shape, client_gone, stream_response, text_chunks
 from foretell.proxy.server.schema import ChatCompletionRequest
+from foretell.proxy.server.unsupported_fields import UNSUPPORTED, first_unsupported
 
-# Request fields the loop reproduces; anything else set (penalties, logit_bias, tools, ...)
-# changes decoding, so such a request is forwarded as before.
+# Request fields the loop reproduces; anything else set (logprobs, echo, ...) or a decoding field
+# of ``unsupported_fields.py`` with a value that asks for something changes what the upstream
+# would answer, so such a request is forwarded as before.
 HANDLED_FIELDS = frozenset({"model", "prompt", "messages", "max_tokens", "max_completion_tokens",
                             "temperature", "top_p", "top_k", "seed", "stop", "n", "stream",
-                            "stream_options", "user", "prediction", "speculation", "add_special_tokens"})
+                            "stream_options", "user", "prediction", "speculation", "add_special_tokens",
+                            "response_format"})
 
 
 class RemoteVerifier:
@@ -61,11 +64,20 @@ class RemoteVerifier:
         speculation = parsed.speculation
         if parsed.prediction is None and not (speculation and speculation.prompt_lookup):
             return False
-        if any(value not in (None, False) for key, value in body.items() if key not in HANDLED_FIELDS):
-            return False  # logprobs, echo, penalties, tools...: forwarded as before
-        if isinstance(parsed, ChatCompletionRequest) and not upstream.tokenizer:
+        if parsed.response_format is not None and parsed.response_format.constrained():
+            return False  # structured output: the upstream's grammar, not this loop's
+        is_chat = isinstance(parsed, ChatCompletionRequest)
+        # A decoding field we do not implement, set to anything but its neutral value, is the
+        # upstream's to honour (the table knows 0 from unset: repetition_penalty 0 asks for
+        # something); the upstream's template is unknown, so a field only a template reads counts.
+        if first_unsupported(body, is_chat=is_chat, chat_template=None) is not None:
+            return False
+        if any(value not in (None, False) for key, value in body.items()
+               if key not in HANDLED_FIELDS and key not in UNSUPPORTED):
+            return False  # logprobs, echo, ...: forwarded as before
+        if is_chat and not upstream.tokenizer:
             return False  # a chat prompt needs the model's template
-        if not isinstance(parsed, ChatCompletionRequest) and not isinstance(parsed.prompt, str):
+        if not is_chat and not isinstance(parsed.prompt, str):
             return False  # a prompt of token ids: forwarded as sent
         return True
 

@@ -23,7 +23,6 @@ COMPLETION = {"model": MODEL, "prompt": "def f(", "max_tokens": 2, "temperature"
 
 # A value of every field in the table that asks for something the engine does not do.
 NOT_NEUTRAL = {
-    "response_format": {"type": "json_object"},
     "tools": [{"type": "function", "function": {"name": "read_file", "parameters": {"type": "object"}}}],
     "tool_choice": "required",
     "functions": [{"name": "read_file", "parameters": {"type": "object"}}],
@@ -73,7 +72,6 @@ NOT_NEUTRAL = {
 # Values that ask for nothing: what clients send by default. (A field without one is refused
 # whatever its value; null is not sent.)
 NEUTRAL = {
-    "response_format": [{"type": "text"}],  # Sourcegraph Cody, with every request
     "tools": [[]],
     "tool_choice": ["none", "auto"],
     "functions": [[]],
@@ -182,10 +180,10 @@ def test_chat_prompt_fields_mean_nothing_on_completions():
 
 def test_the_refusal_names_the_field_and_what_is_accepted():
     with pytest.raises(APIError) as refused:
-        refuse_unsupported({"response_format": {"type": "json_object"}}, **NO_TEMPLATE)
+        refuse_unsupported({"logit_bias": {"7": 3}}, **NO_TEMPLATE)
     error = refused.value
-    assert (error.status, error.param, error.code) == (400, "response_format", "unsupported_value")
-    assert "not supported on local models yet" in error.message and '{"type": "text"}' in error.message
+    assert (error.status, error.param, error.code) == (400, "logit_bias", "unsupported_value")
+    assert "not supported on local models yet" in error.message and "{} (or biases of 0)" in error.message
     with pytest.raises(APIError) as refused:
         refuse_unsupported({"guided_json": {"type": "object"}}, **NO_TEMPLATE)
     assert (refused.value.param, refused.value.code) == ("guided_json", "unsupported_parameter")
@@ -235,8 +233,8 @@ def test_the_local_model_refuses_the_field_by_name(server, endpoint, name):
 
 
 def test_a_stream_is_refused_before_it_starts(server):
-    response = post(server, "/v1/chat/completions", {**CHAT, "stream": True, "response_format": {"type": "json_object"}})
-    assert_envelope(response, 400, param="response_format")
+    response = post(server, "/v1/chat/completions", {**CHAT, "stream": True, "tools": NOT_NEUTRAL["tools"]})
+    assert_envelope(response, 400, param="tools")
 
 
 def test_neutral_and_harmless_fields_are_accepted(server):
@@ -270,7 +268,10 @@ def _verify_request(extra: dict) -> dict:
 
 def test_remote_verification_takes_neutral_values(server, stub_upstream):
     seen = len(stub_upstream.received)
-    answer = post(server, "/v1/completions", _verify_request({"presence_penalty": 0, "min_p": 0, "ignore_eos": False}))
+    # As clients send them by default (Cody's response_format with every request): verified.
+    neutral = {"presence_penalty": 0, "min_p": 0, "ignore_eos": False, "response_format": {"type": "text"},
+               "logit_bias": {}, "repetition_penalty": 1, "tools": []}
+    answer = post(server, "/v1/completions", _verify_request(neutral))
     assert answer.status_code == 200, answer.text
     assert "remote_verification" in answer.json()["speculation"]
     assert any(r["body"].get("echo") for r in stub_upstream.received[seen:])
