@@ -247,3 +247,23 @@ def test_drafts_from_an_earlier_constrained_answer_are_exact(tiny_model, tokeniz
                                                    grammar=_grammar(llg, engine, schema)))
         assert_greedy_equal(tiny_model, prompt_ids, result.token_ids, reference, 1e-4)
     assert result.stats.accepted_tokens > 0
+
+
+@pytest.mark.embedded
+@pytest.mark.parametrize("draft", ["none", "edited"])
+def test_the_embedded_model_under_a_schema_equals_its_oracle(embedded, draft):
+    loaded = embedded
+    model, tokenizer = loaded.model, loaded.tokenizer
+    engine = SpeculativeEngine(model, tokenizer)
+    llg = grammar_tokenizer(tokenizer, model.config.vocab_size, engine.eos_token_ids)
+    schema = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 20},
+                                               "population_millions": {"type": "integer", "maximum": 99}},
+              "required": ["city", "population_millions"], "additionalProperties": False}
+    prompt_ids = tokenizer("Paris has about 2 million people. As JSON with city and population_millions:\n")["input_ids"]
+    reference = constrained_greedy_reference(model, prompt_ids, 30, llg, json_grammar(schema), engine.eos_token_ids)
+    text = tokenizer.decode(reference, skip_special_tokens=True)
+    prediction = None if draft == "none" else text.replace("Paris", "Lyon")
+    result = engine.generate(GenerationRequest(prompt_ids=prompt_ids, max_tokens=30, prediction=prediction,
+                                               grammar=Grammar(llg, json_grammar(schema), model.config.vocab_size)))
+    assert_greedy_equal(model, prompt_ids, result.token_ids, reference, 5e-3)
+    assert json.loads(result.text)["city"]
