@@ -18,6 +18,11 @@ never padded to ``[B, K+1, V]``), attended in one kernel launch per layer on CUD
     the sequence's own seeded generator, so its tokens follow exactly the target's sampling
     distribution whatever else shares the pass (see ``sampling.py``).
 
+A sequence with a grammar (structured output, ``grammar.py``) has each of its ``k + 1`` rows
+masked to the tokens the grammar allows there (after the draft tokens before it) before either
+kind verifies, its draft cut before the first token the grammar forbids; the masks are computed
+on a worker thread while the pass runs.
+
 Rollback is free: the paged cache (``kv_cache.py``) writes every fed position at its slot and a
 sequence's committed length advances only past the pending token and the accepted drafts; the
 rejected slots are overwritten later. Every round yields at least one token. The draft lengths of
