@@ -105,24 +105,14 @@ class SpeculativeEngine:
         # int8 x int8 linears (invariant_linear.py): every row's bits independent of the pass, so the
         # attention is made so too (invariant_attention.py).
         self.batch_invariant = bool(getattr(model, "foretell_batch_invariant", False))
-        rescorable = head_rows(model.get_output_embeddings()) is not None
-        if fp32_head is None:
-            fp32_head = default_fp32_head(self.dtype, self.quantization) and rescorable
-        elif fp32_head and not rescorable:
-            raise ValueError("the fp32 head reads the head's weight rows: it needs an unquantized "
-                             "or int8 output head")
-        # Rescored where the head's logits are approximate: bf16/fp16, or int8 x int8.
-        self.fp32_head = fp32_head and (self.dtype != torch.float32
-                                        or isinstance(model.get_output_embeddings(), Int8DynamicLinear))
+        self.fp32_head = _fp32_head(model, self.dtype, self.quantization, fp32_head)
         self.tokenizer = tokenizer
         self.device = next(model.parameters()).device
         self.prefill_chunk = prefill_chunk
         self.max_draft_positions = max_draft_positions
         self.cost = OnlinePassCost(pass_cost or DEFAULT_PASS_COST)
         self.sampling_cost = DEFAULT_SAMPLING_COST
-        eos = model.generation_config.eos_token_id if model.generation_config else None
-        eos = tokenizer.eos_token_id if eos is None else eos
-        self.eos_token_ids = frozenset(eos if isinstance(eos, (list, tuple)) else [eos]) - {None}
+        self.eos_token_ids = _eos_token_ids(model, tokenizer)
         self.max_positions = getattr(model.config, "max_position_embeddings", None)
         window = getattr(model.config, "sliding_window", None) or 0
         # Sliding layers hold a window per running sequence, plus cached prompt blocks.
@@ -233,15 +223,11 @@ class SpeculativeEngine:
                 seq.blocks.committed += chunk
                 continue
             rows = logits[row:row + len(seq.draft) + 1]  # [k+1, V]
-            if seq.grammar is not None:
-                if isinstance(allowed[seq], Exception):
-                    seq.finish("error")
-                    updates.append(SequenceUpdate(seq, [], "", [], error=allowed[seq]))
-                    row += len(seq.draft) + 1
-                    continue
-                if seq.logprobs is not None:  # the model's own log-probabilities, before the mask
-                    unmasked[seq] = rows.clone()
-                mask_rows(rows, allowed[seq])
+            if seq.grammar is not None and (error := _apply_masks(seq, rows, allowed[seq], unmasked)):
+                seq.finish("error")
+                updates.append(SequenceUpdate(seq, [], "", [], error=error))
+                row += len(seq.draft) + 1
+                continue
             verifying.append((seq, chunk, VerifyRows(row, seq.draft, seq.sampler)))
             row += len(seq.draft) + 1
         outcomes = verify_step(self.kernels, logits, [entry for _, _, entry in verifying])
@@ -390,6 +376,37 @@ class SpeculativeEngine:
 
         self.sampling_cost = PassCostModel.measure(sample, positions=positions)
         return measured
+
+
+def _fp32_head(model, dtype: torch.dtype, quantization: str, asked: bool | None) -> bool:
+    """Whether each row's leading tokens are rescored in float32: where the head's logits are
+    approximate (bf16/fp16, or int8 x int8) and its weight rows can be read; ``asked`` None:
+    ``precision.default_fp32_head``."""
+    rescorable = head_rows(model.get_output_embeddings()) is not None
+    if asked is None:
+        asked = default_fp32_head(dtype, quantization) and rescorable
+    elif asked and not rescorable:
+        raise ValueError("the fp32 head reads the head's weight rows: it needs an unquantized "
+                         "or int8 output head")
+    return asked and (dtype != torch.float32 or isinstance(model.get_output_embeddings(), Int8DynamicLinear))
+
+
+def _eos_token_ids(model, tokenizer) -> frozenset[int]:
+    eos = model.generation_config.eos_token_id if model.generation_config else None
+    eos = tokenizer.eos_token_id if eos is None else eos
+    return frozenset(eos if isinstance(eos, (list, tuple)) else [eos]) - {None}
+
+
+def _apply_masks(seq: Sequence, rows: torch.Tensor, allowed, unmasked: dict) -> Exception | None:
+    """Mask a grammar's sequence's rows [k+1, V] in place (a copy from before kept in
+    ``unmasked`` where it reports log-probabilities: the model's own); the error that computing
+    its masks raised, if any."""
+    if isinstance(allowed, Exception):
+        return allowed
+    if seq.logprobs is not None:
+        unmasked[seq] = rows.clone()
+    mask_rows(rows, allowed)
+    return None
 
 
 def _set_draft(seq: Sequence, source: str | None, length: int) -> int:
