@@ -175,8 +175,9 @@ def assemble_baseline(ref: str) -> str:
                    check=True, capture_output=True)
     package = root / "site" / "foretell"
     package.mkdir(parents=True)
-    for file in (root / "tree" / "foretell").glob("*.py"):
-        (package / file.name).symlink_to(file)
+    for entry in (root / "tree" / "foretell").iterdir():  # its modules and subpackages (cli/)
+        if entry.suffix == ".py" or (entry.is_dir() and entry.name != "__pycache__"):
+            (package / entry.name).symlink_to(entry)
     for name in ("proxy", "sdk", "kernels"):
         (package / name).symlink_to(root / "tree" / name)
     return str(root / "site")
