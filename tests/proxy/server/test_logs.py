@@ -13,7 +13,6 @@ import logging
 import time
 from types import SimpleNamespace
 
-import httpx
 import pytest
 from starlette.testclient import TestClient
 
