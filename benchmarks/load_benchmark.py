@@ -168,7 +168,8 @@ def start_server(max_queue: int, max_running: int | None = None, baseline_dir: s
 
 def assemble_baseline(ref: str) -> str:
     """A git worktree of ``ref`` and a folder whose ``foretell`` package maps its layout
-    (foretell/, proxy/, sdk/, kernels/ as in pyproject's package-dir)."""
+    (foretell/, proxy/, sdk/ as in pyproject's package-dir, and kernels/ where a commit before
+    foretell/kernels/ has it at the top)."""
     root = Path(tempfile.mkdtemp(prefix="foretell-baseline-"))
     repo = Path(__file__).resolve().parents[1]
     subprocess.run(["git", "-C", str(repo), "worktree", "add", "--detach", "-f", str(root / "tree"), ref],
@@ -179,7 +180,8 @@ def assemble_baseline(ref: str) -> str:
         if entry.suffix == ".py" or (entry.is_dir() and entry.name != "__pycache__"):
             (package / entry.name).symlink_to(entry)
     for name in ("proxy", "sdk", "kernels"):
-        (package / name).symlink_to(root / "tree" / name)
+        if (root / "tree" / name).is_dir() and not (package / name).exists():
+            (package / name).symlink_to(root / "tree" / name)
     return str(root / "site")
 
 

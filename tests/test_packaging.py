@@ -63,7 +63,7 @@ def wheel(tmp_path_factory) -> zipfile.ZipFile:
     source.mkdir()
     for name in ("pyproject.toml", "README.md", "LICENSE"):
         shutil.copy(ROOT / name, source / name)
-    for package in ("foretell", "sdk", "proxy", "kernels"):
+    for package in ("foretell", "sdk", "proxy"):
         shutil.copytree(ROOT / package, source / package, ignore=shutil.ignore_patterns("__pycache__"))
     result = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation",
                              "-q", str(source), "-w", str(folder / "dist")],
@@ -88,7 +88,7 @@ def test_a_wheel_carries_every_module_of_the_sources(wheel):
     """Every .py file of the packages' folders is in the wheel under its import path (a new
     subpackage missing from pyproject's package list would import from a checkout only)."""
     names = set(wheel.namelist())
-    where = {"foretell": "foretell", "sdk": "foretell/sdk", "proxy": "foretell/proxy", "kernels": "foretell/kernels"}
+    where = {"foretell": "foretell", "sdk": "foretell/sdk", "proxy": "foretell/proxy"}
     missing = [str(path) for folder, target in where.items() for path in (ROOT / folder).rglob("*.py")
                if "__pycache__" not in path.parts
                and f"{target}/{path.relative_to(ROOT / folder).as_posix()}" not in names]
