@@ -18,9 +18,11 @@ from foretell.proxy.server import echo, local_generation
 from foretell.proxy.server.api_error import APIError
 from foretell.proxy.server.logs import note
 from foretell.proxy.server.redact import Redactor
-from foretell.proxy.server.request_builder import plan
+from foretell.proxy.server.prompts import template_source
+from foretell.proxy.server.request_builder import plan, with_tools
 from foretell.proxy.server.schema import ChatCompletionRequest, validate
 from foretell.proxy.server.state import ServerState, model_loading
+from foretell.proxy.server.tool_calls.format import tool_plan
 from foretell.proxy.server.unsupported_fields import refuse_unsupported
 from foretell.proxy.server.upstream import ModelRoute, prepare_body, relay
 
@@ -45,10 +47,12 @@ async def generate(request: Request, server: ServerState, body: dict, schema):
             return await server.remote.run(request, upstream, parsed, planned, body, forward_here)
         return await forward_here()
     local = server.loaded()
-    refuse_unsupported(body, is_chat=is_chat, chat_template=_template_source(local.tokenizer))
+    refuse_unsupported(body, is_chat=is_chat, chat_template=template_source(local.tokenizer))
     if planned.json_schema is not None and echo.wanted(parsed):
         raise APIError(400, "response_format other than text is not supported with echo or "
                        "return_tokens_as_token_ids", param="response_format")
+    if is_chat:
+        planned = with_tools(planned, tool_plan(body), parsed)
     try:
         if echo.wanted(parsed):  # echo, prompt logprobs, token ids
             return await echo.run(request, server, local, parsed, planned)
@@ -60,12 +64,6 @@ async def generate(request: Request, server: ServerState, body: dict, schema):
                                  parsed.stream)
         raise APIError(429, "the server is busy: queue full", type="rate_limit_error",
                        code="queue_full", headers={"Retry-After": "1"}) from None
-
-
-def _template_source(tokenizer) -> str:
-    """The local model's chat template as text ("" without one: the plain transcript)."""
-    template = getattr(tokenizer, "chat_template", None)
-    return "" if not template else template if isinstance(template, str) else str(template)
 
 
 def _route(request: Request, server: ServerState, parsed) -> ModelRoute:

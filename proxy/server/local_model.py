@@ -6,7 +6,7 @@ from __future__ import annotations
 import logging
 
 from foretell.proxy.server.metrics import Metrics
-from foretell.proxy.server.prompts import implied_chat_stops
+from foretell.proxy.server.prompts import implied_chat_stops, template_source
 from foretell.proxy.server.settings import ServerSettings
 
 log = logging.getLogger("foretell.server")
@@ -29,16 +29,19 @@ class LocalModel:
         # What ends a chat answer besides the request's stops: the plain transcript's next role
         # marker, or the chat template's end-of-turn tokens.
         self.chat_stops, self.chat_stop_token_ids = implied_chat_stops(self.tokenizer)
+        from foretell.proxy.server.tool_calls.format import call_format
 
-    def grammar(self, schema: dict):
-        """A request's output grammar (``engine/grammar.py``) for a JSON schema ({} for any JSON
-        object), which ends at the model's EOS (in a chat too: the end of turn would not end a
-        completion, and one table serves both). ValueError for a schema the grammar engine
-        cannot take. Call it off the event loop: it compiles the schema."""
-        from foretell.proxy.engine.grammar import Grammar, json_grammar
+        self.call_format = call_format(template_source(self.tokenizer))  # how its answers call tools
+
+    def grammar(self, grammar: str):
+        """A request's output grammar (``engine/grammar.py``; llguidance's text: ``json_grammar``,
+        ``tool_calls.format.call_grammar``), which ends at the model's EOS (in a chat too: the end
+        of turn would not end a completion, and one table serves both). ValueError for a grammar
+        the grammar engine cannot take. Call it off the event loop: it compiles the grammar."""
+        from foretell.proxy.engine.grammar import Grammar
 
         vocab_size = self.scheduler.engine.model.config.vocab_size
-        return Grammar(self.grammar_tokenizer(), json_grammar(schema or None), vocab_size)
+        return Grammar(self.grammar_tokenizer(), grammar, vocab_size)
 
     def grammar_tokenizer(self):
         """llguidance's table of the vocabulary, built once: seconds at 262k tokens, holding the

@@ -17,12 +17,13 @@ PREFIX_CHARS_PER_TOKEN = 32
 CUT_SLACK = 16
 
 
-def request_prompt_ids(tokenizer, parsed, is_chat: bool, context: int | None) -> list[int]:
-    """The prompt token ids of a validated request; APIError 400 when they do not fit the
-    model's context (None: the model names none) or the chat template refuses the messages."""
+def request_prompt_ids(tokenizer, parsed, is_chat: bool, context: int | None, tools=None) -> list[int]:
+    """The prompt token ids of a validated request (``tools``: its ``ToolPlan``, where it offers
+    tools); APIError 400 when they do not fit the model's context (None: the model names none) or
+    the chat template refuses the messages."""
     if not is_chat and isinstance(parsed.prompt, list):
         return given_prompt_ids(tokenizer, parsed.prompt, context)
-    text = chat_prompt(tokenizer, parsed.messages) if is_chat else parsed.prompt
+    text = chat_prompt(tokenizer, parsed.messages, tools) if is_chat else parsed.prompt
     return prompt_ids(tokenizer, text, context, param="messages" if is_chat else "prompt")
 
 
@@ -66,12 +67,25 @@ def _check_fits(count: int, context: int, param: str, at_least: bool = False) ->
                        f"context is {context}", param=param, code="context_length_exceeded")
 
 
-def chat_prompt(tokenizer, messages) -> str:
-    turns = [{"role": "system" if m.role == "developer" else m.role, "content": m.text()}
-             for m in messages]
-    if getattr(tokenizer, "chat_template", None):
+def template_source(tokenizer) -> str:
+    """The model's chat template as text ("" without one: the plain transcript)."""
+    template = getattr(tokenizer, "chat_template", None)
+    return "" if not template else template if isinstance(template, str) else str(template)
+
+
+def chat_prompt(tokenizer, messages, tools=None) -> str:
+    """The prompt of a chat: its messages through the model's chat template, or the plain
+    transcript; ``tools``: the ``ToolPlan`` of the tools offered (``tool_calls/``)."""
+    from foretell.proxy.server.tool_calls.format import call_format
+    from foretell.proxy.server.tool_calls.prompt import chat_turns
+
+    source = template_source(tokenizer)
+    form = call_format(source)
+    turns = chat_turns(messages, tools, form, has_template=bool(source))
+    if source:
+        offered = {"tools": tools.as_sent()} if tools is not None and form.template_reads_tools else {}
         try:
-            return tokenizer.apply_chat_template(turns, tokenize=False, add_generation_prompt=True)
+            return tokenizer.apply_chat_template(turns, tokenize=False, add_generation_prompt=True, **offered)
         except Exception as error:  # a template that rejects this conversation (e.g. roles)
             raise APIError(400, f"the model's chat template rejected the messages: {error}",
                            param="messages") from None

@@ -16,6 +16,7 @@ from foretell.proxy.engine.draft_sources import PredictionEncoding
 from foretell.proxy.engine.grammar import Grammar
 from foretell.proxy.server.api_error import APIError
 from foretell.proxy.server.schema import ChatCompletionRequest
+from foretell.proxy.server.tool_calls.format import TAG_CLOSE, ToolPlan
 
 # OpenAI's default length of a legacy completion; chat defaults to settings.default_max_tokens.
 COMPLETION_DEFAULT_MAX_TOKENS = 16
@@ -36,6 +37,8 @@ class RequestPlan:
     stop: tuple[str, ...]  # the request's own stop strings
     # Structured output: the JSON schema the output follows, {} for any JSON object; None: free text.
     json_schema: dict | None = None
+    # The tools a chat offers the local model (tool_calls/; set by with_tools); None: none.
+    tools: ToolPlan | None = None
 
 
 def plan(parsed, settings) -> RequestPlan:
@@ -67,6 +70,21 @@ def plan(parsed, settings) -> RequestPlan:
     )
 
 
+def with_tools(plan: RequestPlan, tools: ToolPlan | None, parsed) -> RequestPlan:
+    """``plan`` offering ``tools`` on the local engine; APIError 400 for what it does not take
+    together with tools."""
+    if tools is None:
+        return plan
+    refused = [("response_format", plan.json_schema is not None, "response_format other than text"),
+               ("logprobs", bool(parsed.logprobs), "logprobs"),
+               ("speculation.report_origins", plan.report_origins, "speculation.report_origins")]
+    for param, asked, what in refused:
+        if asked:
+            raise APIError(400, f"{what} together with tools is not supported on local models yet; "
+                           'leave one out (or send tool_choice "none")', param=param)
+    return dataclasses.replace(plan, tools=tools)
+
+
 def _json_schema(response_format) -> dict | None:
     if response_format is None or not response_format.constrained():
         return None
@@ -94,7 +112,7 @@ def engine_requests(parsed, plan: RequestPlan, prompt_ids: list[int], local,
         prompt_ids=prompt_ids, max_tokens=tokens, prediction=plan.prediction, prompt_lookup=plan.prompt_lookup,
         prediction_encoding=prediction_encoding,
         # A chat answer also ends where the model starts the next turn (LocalModel.chat_stops).
-        stop=plan.stop + (local.chat_stops if plan.is_chat else ()),
+        stop=plan.stop + (local.chat_stops if plan.is_chat else ()) + _tool_stops(plan, local),
         stop_token_ids=local.chat_stop_token_ids if plan.is_chat else (),
         max_draft=plan.max_draft or GenerationRequest.max_draft,
         temperature=parsed.temperature or 0.0, top_p=parsed.top_p or 1.0, top_k=parsed.top_k or None,
@@ -109,3 +127,12 @@ def engine_requests(parsed, plan: RequestPlan, prompt_ids: list[int], local,
     return [first] + [dataclasses.replace(first, seed=None if first.seed is None else (first.seed + i) % 2**64,
                                           grammar=grammar.copy() if grammar is not None else None)
                       for i in range(1, parsed.n)]
+
+
+def _tool_stops(plan: RequestPlan, local) -> tuple[str, ...]:
+    # One call at most, free to call or not: the answer ends with the call's closing tag (a
+    # required call's grammar ends there itself).
+    tools = plan.tools
+    if tools is not None and not tools.parallel and not tools.required and local.call_format.tagged:
+        return (TAG_CLOSE,)
+    return ()

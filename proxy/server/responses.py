@@ -86,8 +86,11 @@ def speculation_report(result) -> dict:
     return {**result.stats.speculation_report(), "seed": result.seed}
 
 
-def finish_reason(result) -> str:
-    return "length" if result.finish_reason == "length" else "stop"
+def finish_reason(result, called: bool = False) -> str:
+    """OpenAI's finish reason of a result; ``called``: the answer made tool calls."""
+    if result.finish_reason == "length":
+        return "length"
+    return "tool_calls" if called else "stop"
 
 
 # ---- bodies and chunks ------------------------------------------------------------------------
@@ -101,11 +104,14 @@ class Shape:
         self.id = ("chatcmpl-" if is_chat else "cmpl-") + uuid.uuid4().hex
         self.created = int(time.time())
 
-    def choice(self, index: int, text: str, finish: str, logprobs=None) -> dict:
-        """A choice of the whole body."""
+    def choice(self, index: int, text: str, finish: str, logprobs=None, tool_calls: list | None = None) -> dict:
+        """A choice of the whole body; ``tool_calls``: a chat answer's calls (its content is then
+        null unless it has text besides)."""
         if self.is_chat:
-            return {"index": index, "message": {"role": "assistant", "content": text}, "logprobs": logprobs,
-                    "finish_reason": finish}
+            message = {"role": "assistant", "content": text}
+            if tool_calls:
+                message = {"role": "assistant", "content": text or None, "tool_calls": tool_calls}
+            return {"index": index, "message": message, "logprobs": logprobs, "finish_reason": finish}
         return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish}
 
     def body(self, choices: list[dict], usage: dict, speculation: dict) -> dict:
@@ -113,10 +119,12 @@ class Shape:
                 "created": self.created, "model": self.model, "choices": choices, "usage": usage,
                 "speculation": speculation}
 
-    def chunk(self, text: str | None, logprobs=None, finish: str | None = None, extra: dict | None = None) -> bytes:
-        """A stream chunk of the (only) choice; ``text`` None is an empty chat delta."""
+    def chunk(self, text: str | dict | None, logprobs=None, finish: str | None = None,
+              extra: dict | None = None) -> bytes:
+        """A stream chunk of the (only) choice; ``text`` None is an empty chat delta, a dict a
+        chat delta of its own (a tool call's, ``tool_calls/parser.py``)."""
         if self.is_chat:
-            delta = {"content": text} if text is not None else {}
+            delta = text if isinstance(text, dict) else {"content": text} if text is not None else {}
             choice = {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
         else:
             choice = {"index": 0, "text": text or "", "logprobs": logprobs, "finish_reason": finish}
@@ -147,7 +155,8 @@ class Shape:
 async def text_chunks(shape: Shape, pieces: AsyncIterator[tuple], ending, include_usage: bool
                       ) -> AsyncIterator[bytes]:
     """A generation's stream, whichever path generates it: the role (chat), a chunk for each of
-    ``pieces`` (``(text, logprobs, extra)`` as they are confirmed) that has text or logprobs, then
+    ``pieces`` (``(text, logprobs, extra)`` as they are confirmed; text a dict for a chat delta
+    other than content) that has text or logprobs, then
     the finish and, where asked, the usage. ``await ending()`` gives ``(finish_reason, usage,
     report)`` once the pieces are done; it is awaited whether the usage was asked for or not
     (it also reports the request's figures)."""

@@ -1,11 +1,11 @@
 """OpenAI request bodies as we accept them, validated.
 
 Fields these models do not name are not validated here: a field that would change the generated
-text and that the local engine does not implement (``tools``, penalties,
-``logit_bias``, vLLM's and llama.cpp's sampling extensions, ...) is refused with a 400 naming it
-on the local engine, unless sent with its neutral value (``unsupported_fields.py``, checked in
-``dispatch.py``); any other (``store``, ``metadata``, ``service_tier``, ...) is ignored, so a new
-field that changes the text belongs in that table. A plain forward relays them all as sent.
+text and that the local engine does not implement (penalties, ``logit_bias``, vLLM's and
+llama.cpp's sampling extensions, ...) is refused with a 400 naming it on the local engine, unless
+sent with its neutral value (``unsupported_fields.py``, checked in ``dispatch.py``); any other
+(``store``, ``metadata``, ``service_tier``, ...) is ignored, so a new field that changes the text
+belongs in that table. A plain forward relays them all as sent.
 
 Validation failures become ``APIError`` (400, OpenAI's error envelope) in the server, never
 FastAPI's 422.
@@ -215,9 +215,35 @@ class ChatContentPart(_Lenient):
     text: Text
 
 
+class CalledFunction(_Lenient):
+    name: str
+    arguments: Text  # JSON text, as the model wrote it
+
+
+class ToolCall(_Lenient):
+    """A call an assistant message made (the history of a tool round trip)."""
+
+    id: str
+    type: Literal["function"] = "function"
+    function: CalledFunction
+
+
 class ChatMessage(_Lenient):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: Union[Text, list[ChatContentPart], None] = None
+    # An assistant's calls, as sent: ToolCall each where the local engine renders them
+    # (tool_calls/), any kind an upstream knows where one answers.
+    tool_calls: list[dict] | None = None
+    tool_call_id: str | None = None  # a tool message: the call it answers
+    name: str | None = None
+
+    @model_validator(mode="after")
+    def _tool_fields_by_role(self):
+        if self.tool_calls and self.role != "assistant":
+            raise ValueError("only an assistant message has tool_calls")
+        if self.role == "tool" and not self.tool_call_id:
+            raise ValueError("a tool message needs the tool_call_id of the call it answers")
+        return self
 
     def text(self) -> str:
         if self.content is None:
@@ -227,11 +253,47 @@ class ChatMessage(_Lenient):
         return "".join(part.text for part in self.content)
 
 
+class FunctionDefinition(_Lenient):
+    # OpenAI's rule for a function's name.
+    name: str = Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")
+    description: str | None = None
+    parameters: dict | None = None  # a JSON schema of the arguments; none: no arguments
+    strict: StrictBool | None = None
+
+
+class Tool(_Lenient):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class FunctionName(_Lenient):
+    name: str
+
+
+class NamedToolChoice(_Lenient):
+    type: Literal["function"]
+    function: FunctionName
+
+
+class LocalToolFields(_Lenient):
+    """A chat request's tool fields as the local engine takes them (``tool_calls/``): function
+    tools only. Validated there, not with the request: an upstream gets any tool OpenAI has
+    (custom tools, ``allowed_tools``) as sent."""
+
+    tools: list[Tool] = Field(default_factory=list, max_length=128)
+    tool_choice: Union[Literal["none", "auto", "required"], NamedToolChoice] | None = None
+    parallel_tool_calls: StrictBool = True
+
+
 class ChatCompletionRequest(_SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: StrictInt | None = Field(default=None, ge=1)
     logprobs: StrictBool | None = None
     top_logprobs: StrictInt | None = Field(default=None, ge=0, le=20)
+    # Tool calling, as sent (validated where the local engine takes them: LocalToolFields).
+    tools: list[dict] | None = None
+    tool_choice: Union[str, dict] | None = None
+    parallel_tool_calls: StrictBool | None = None
 
     @model_validator(mode="after")
     def _top_needs_logprobs(self):
@@ -279,7 +341,8 @@ class DetokenizeRequest(_Lenient):
 # the member of a union it tried ("str", "list[str]", "function-after[...]"): not a param.
 _FIELDS = frozenset(name for model in (CompletionRequest, ChatCompletionRequest, ChatMessage,
                                        ChatContentPart, Prediction, TextPart, Speculation, StreamOptions,
-                                       ResponseFormat)
+                                       ResponseFormat, LocalToolFields, Tool, FunctionDefinition, NamedToolChoice,
+                                       ToolCall, CalledFunction)
                     for name in model.model_fields) | {"schema"}
 
 

@@ -4,8 +4,10 @@ project's rule: a field we do not honour is refused, never ignored silently).
 
 Each field has its *neutral* values, the ones that ask for nothing beyond what the engine does
 anyway; they are accepted, because real clients send them with every request (``presence_penalty:
-0``, ``tools: []``, ...). ``response_format`` is implemented (``engine/grammar.py``), so it is not here. A field sent
-as null never gets here: null means not sent (``schema.py``).
+0``, ``tools: []``, ...). ``response_format`` is implemented (``engine/grammar.py``), so it is
+not here; ``tools`` and ``tool_choice`` are implemented on the local engine's chats
+(``tool_calls/``), so they are here for completions and for remote verification. A field sent as
+null never gets here: null means not sent (``schema.py``).
 
 ``dispatch.py`` checks where the route is known: the local engine refuses such a field; remote
 verification never takes a request carrying one (it is forwarded plainly instead); a plain
@@ -13,7 +15,7 @@ forward relays every field to its upstream unchanged, and the upstream honours i
 
 Not in the table, so accepted and ignored as before, are fields that leave the tokens alone:
 ``store``, ``metadata``, ``service_tier``, ``user``, ``prompt_cache_key``, ``safety_identifier``,
-``parallel_tool_calls`` (nothing to call without tools, and tools are refused), ``logprobs`` and
+``parallel_tool_calls`` (implemented with tools; nothing to call without them), ``logprobs`` and
 ``n`` (implemented), ...
 """
 
@@ -42,6 +44,7 @@ class UnsupportedField:
     what: str  # what the field asks for, in the refusal
     accepted: str | None  # its neutral values, in the refusal; None: none (leave it out)
     chat_only: bool = False  # a field about the chat prompt: meaningless (ignored) on completions
+    local_chat: bool = False  # the local engine implements it on chats (not on completions)
 
 
 # ---- neutrality tests ------------------------------------------------------------------------------
@@ -114,8 +117,9 @@ def _the_max_tokens(value, context) -> bool:
 
 UNSUPPORTED: dict[str, UnsupportedField] = {
     # OpenAI's
-    "tools": UnsupportedField(_empty, "tool calling", "[]"),
-    "tool_choice": UnsupportedField(_no_tool_choice, "tool calling", '"none", or "auto" without tools'),
+    "tools": UnsupportedField(_empty, "tool calling", "[]", local_chat=True),
+    "tool_choice": UnsupportedField(_no_tool_choice, "tool calling", '"none", or "auto" without tools',
+                                    local_chat=True),
     "functions": UnsupportedField(_empty, "function calling", "[]"),
     "function_call": UnsupportedField(_no_tool_choice, "function calling", '"none", or "auto" without functions'),
     "logit_bias": UnsupportedField(_zero_biases, "biased token scores", "{} (or biases of 0)"),
@@ -171,12 +175,15 @@ UNSUPPORTED: dict[str, UnsupportedField] = {
 }
 
 
-def first_unsupported(body: dict, *, is_chat: bool, chat_template: str | None) -> str | None:
+def first_unsupported(body: dict, *, is_chat: bool, chat_template: str | None, local: bool = False) -> str | None:
     """The first field of ``body`` (in the table's order) with a value that is not neutral.
-    ``chat_template``: the one the chat prompt is rendered with ("" for none), None if unknown."""
+    ``chat_template``: the one the chat prompt is rendered with ("" for none), None if unknown;
+    ``local``: for the local engine (which implements some fields on chats)."""
     context = RequestContext(body, is_chat, chat_template)
     for name, field in UNSUPPORTED.items():
         if name not in body or body[name] is None or (field.chat_only and not context.is_chat):
+            continue
+        if field.local_chat and local and is_chat:
             continue
         if not field.neutral(body[name], context):
             return name
@@ -185,10 +192,11 @@ def first_unsupported(body: dict, *, is_chat: bool, chat_template: str | None) -
 
 def refuse_unsupported(body: dict, *, is_chat: bool, chat_template: str) -> None:
     """APIError 400 naming the first field of ``body`` that the local engine would ignore."""
-    name = first_unsupported(body, is_chat=is_chat, chat_template=chat_template)
+    name = first_unsupported(body, is_chat=is_chat, chat_template=chat_template, local=True)
     if name is None:
         return
     field = UNSUPPORTED[name]
     accepted = f"; accepted: {field.accepted}, or leave it out" if field.accepted else "; leave it out"
-    raise APIError(400, f"{name} ({field.what}) is not supported on local models yet{accepted}",
+    where = "on completions (use chat completions)" if field.local_chat else "on local models yet"
+    raise APIError(400, f"{name} ({field.what}) is not supported {where}{accepted}",
                    param=name, code="unsupported_value" if field.accepted else "unsupported_parameter")

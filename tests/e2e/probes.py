@@ -160,7 +160,10 @@ PROBES = [
     ("a json_schema that is no schema", CHAT, chat(response_format={"type": "json_schema", "json_schema": {
         "name": "x", "schema": {"type": "no-such-type"}}}), 400, {}),
     ("response_format with echo", C, completion(echo=True, response_format={"type": "json_object"}), 400, {}),
-    ("tools on the local model", CHAT, chat(tools=[{"type": "function", "function": {"name": "f"}}]), 400, {}),
+    ("tools on local completions", C, completion(tools=[{"type": "function", "function": {"name": "f"}}]), 400, {}),
+    ("a tool that is no function", CHAT, chat(tools=[{"type": "custom", "custom": {"name": "f"}}]), 400, {}),
+    ("tool_choice naming no tool", CHAT, chat(tools=[{"type": "function", "function": {"name": "f"}}],
+                                              tool_choice={"type": "function", "function": {"name": "g"}}), 400, {}),
     # ---- unusual but good
     ("unicode prompt", C, completion(prompt="héllo wörld — 日本語 🙂 עברית\n"), OK, {}),
     ("emoji prompt", C, completion(prompt="🙂" * 50), OK, {}),
@@ -181,6 +184,8 @@ PROBES = [
                                            logit_bias={}, tools=[], tool_choice="auto", parallel_tool_calls=True),
      OK, {}),
     ("json mode", CHAT, chat(response_format={"type": "json_object"}, max_tokens=4), OK, {}),
+    ("a required tool call", CHAT, chat(tools=[{"type": "function", "function": {"name": "f"}}], tool_choice="required",
+                                        max_tokens=4), OK, {}),
     ("chat with null content", CHAT, chat(messages=[{"role": "system", "content": None},
                                                     {"role": "user", "content": "Hi"}]), OK, {}),
     ("chat in unicode", CHAT, chat(messages=[{"role": "developer", "content": "Réponds en français ✓"},

@@ -116,6 +116,8 @@ HARMLESS = {"store": False, "metadata": {"client": "test"}, "service_tier": "aut
 # Refused only where the model's chat template reads them.
 READ_BY_THE_TEMPLATE = {"reasoning_effort", "verbosity", "chat_template_kwargs"}
 CHAT_ONLY = {name for name, field in UNSUPPORTED.items() if field.chat_only}
+# Implemented on the local model's chats (tool_calls/): refused on its completions only.
+LOCAL_CHAT = {name for name, field in UNSUPPORTED.items() if field.local_chat}
 NO_TEMPLATE = {"is_chat": True, "chat_template": ""}  # a chat prompt in the plain transcript
 
 
@@ -165,7 +167,17 @@ def test_chat_template_kwargs_are_refused_only_where_the_template_reads_them():
 def test_tool_choice_auto_is_neutral_but_tools_are_not():
     assert first_unsupported({"tools": [], "tool_choice": "auto", "parallel_tool_calls": False}, **NO_TEMPLATE) is None
     body = {"tool_choice": "auto", "tools": NOT_NEUTRAL["tools"]}
-    assert first_unsupported(body, **NO_TEMPLATE) == "tools"
+    assert first_unsupported(body, **NO_TEMPLATE) == "tools"  # remote verification: forwarded
+
+
+def test_tools_are_the_local_engines_on_chats_only():
+    assert LOCAL_CHAT == {"tools", "tool_choice"}
+    body = {"tools": NOT_NEUTRAL["tools"], "tool_choice": "required"}
+    assert first_unsupported(body, **NO_TEMPLATE, local=True) is None
+    assert first_unsupported(body, is_chat=False, chat_template="", local=True) == "tools"
+    with pytest.raises(APIError) as refused:
+        refuse_unsupported(body, is_chat=False, chat_template="")
+    assert refused.value.param == "tools" and "not supported on completions" in refused.value.message
 
 
 def test_best_of_n_selects_nothing():
@@ -222,19 +234,29 @@ def post(server, path: str, body: dict) -> httpx.Response:
 # completions too), and those only a chat template reads: the tiny model has none.
 REFUSED_HERE = [(endpoint, name) for name in sorted(NOT_NEUTRAL) for endpoint in ("chat", "completions")
                 if name not in READ_BY_THE_TEMPLATE
-                and (endpoint == "chat" or name not in CHAT_ONLY)]
+                and (endpoint == "chat" or name not in CHAT_ONLY)
+                and not (endpoint == "chat" and name in LOCAL_CHAT)]
 
 
 @pytest.mark.parametrize("endpoint,name", REFUSED_HERE)
 def test_the_local_model_refuses_the_field_by_name(server, endpoint, name):
     path, base = ("/v1/chat/completions", CHAT) if endpoint == "chat" else ("/v1/completions", COMPLETION)
     error = assert_envelope(post(server, path, {**base, name: NOT_NEUTRAL[name]}), 400, param=name)
-    assert "not supported on local models yet" in error["message"]
+    where = "on completions" if name in LOCAL_CHAT else "on local models yet"
+    assert f"not supported {where}" in error["message"]
 
 
 def test_a_stream_is_refused_before_it_starts(server):
-    response = post(server, "/v1/chat/completions", {**CHAT, "stream": True, "tools": NOT_NEUTRAL["tools"]})
-    assert_envelope(response, 400, param="tools")
+    response = post(server, "/v1/chat/completions", {**CHAT, "stream": True, "logit_bias": {"1": 5}})
+    assert_envelope(response, 400, param="logit_bias")
+
+
+def test_remote_verification_leaves_tools_to_the_upstream(server, stub_upstream):
+    # Tools are implemented by the local engine; on an upstream they are the upstream's to honour.
+    seen = len(stub_upstream.received)
+    post(server, "/v1/completions", _verify_request({"tools": NOT_NEUTRAL["tools"], "tool_choice": "required"}))
+    sent = stub_upstream.received[seen:]
+    assert len(sent) == 1 and sent[0]["body"]["tools"] == NOT_NEUTRAL["tools"] and not sent[0]["body"].get("echo")
 
 
 def test_neutral_and_harmless_fields_are_accepted(server):
