@@ -64,7 +64,7 @@ def _tokenise(local, parsed, plan: RequestPlan):
 
 
 def _grammar(local, plan: RequestPlan):
-    if plan.tools is not None and plan.tools.required:
+    if plan.tools is not None and plan.tools.constrained():
         try:
             return local.grammar(call_grammar(plan.tools, local.call_format))
         except ValueError as error:

@@ -55,6 +55,11 @@ class ToolPlan:
     def names(self) -> frozenset[str]:
         return frozenset(tool.function.name for tool in self.tools)
 
+    def constrained(self) -> bool:
+        """Is the answer decoded under ``call_grammar``? A required call is; so is a free one
+        where a function is ``strict`` (OpenAI's promise: a call follows its schema)."""
+        return self.required or any(tool.function.strict for tool in self.tools)
+
     def callable(self) -> tuple:
         """The tools a call may name."""
         return tuple(tool for tool in self.tools if self.function in (None, tool.function.name))
@@ -86,11 +91,18 @@ def tool_plan(body: dict) -> ToolPlan | None:
                     function=named, parallel=fields.parallel_tool_calls)
 
 
+# Any text without a call's opening tag, as a Lark lexeme (llguidance's & and ~ on regexes).
+_NO_TAG = f"(/[\\s\\S]*/ & ~/[\\s\\S]*{TAG_OPEN}[\\s\\S]*/)"
+# Any text that does not open with a JSON object (the bare format's calls come first).
+_NO_OBJECT = "(/[\\s\\S]*/ & ~/\\s*\\{[\\s\\S]*/)"
+
+
 def call_grammar(plan: ToolPlan, form: CallFormat) -> str:
-    """llguidance's grammar (Lark, with JSON schemas inside) of an answer that is nothing but
-    calls: one, or with ``plan.parallel`` one or more, each naming a callable function and
-    following its parameter schema, key order as written (the name first, so a stream can give
-    it before the arguments)."""
+    """llguidance's grammar (Lark, with JSON schemas inside) of an answer's calls: one, or with
+    ``plan.parallel`` one or more, each naming a callable function and following its parameter
+    schema, key order as written (the name first, so a stream can give it before the arguments).
+    A required call is the whole answer; a free one (``plan.constrained()`` by a strict function)
+    may be text instead, or text then the calls (tagged) where they are read as calls."""
     one_of = [{"type": "object",
                "properties": {"name": {"const": tool.function.name},
                               form.arguments_key: _parameters(tool.function.parameters)},
@@ -100,9 +112,16 @@ def call_grammar(plan: ToolPlan, form: CallFormat) -> str:
     # Spaced as calls are written (``CallFormat.write``), and no room for runs of whitespace,
     # which a weak model under a mask can fill its whole length with.
     schema["x-guidance"] = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
-    call = (f'{json.dumps(TAG_OPEN + chr(10))} body {json.dumps(chr(10) + TAG_CLOSE)}' if form.tagged else "body")
-    calls = f'call ({json.dumps(form.separator())} call)*' if plan.parallel else "call"
-    return f"start: {calls}\ncall: {call}\nbody: %json {json.dumps(schema)}\n"
+    close = json.dumps(chr(10) + TAG_CLOSE)
+    call = f'{json.dumps(TAG_OPEN + chr(10))} body {close}' if form.tagged else "body"
+    more = f' ({json.dumps(form.separator())} call)*' if plan.parallel else ""
+    rules = f"call: {call}\nbody: %json {json.dumps(schema)}\n"
+    if plan.required:
+        return f"start: call{more}\n" + rules
+    if form.tagged:  # text, or text up to the first tag then the calls
+        return (f"start: TEXT | OPEN body {close}{more}\nTEXT: {_NO_TAG}\n"
+                f"OPEN: {_NO_TAG} {json.dumps(TAG_OPEN + chr(10))}\n" + rules)
+    return f"start: TEXT | call{more}\nTEXT: {_NO_OBJECT}\n" + rules
 
 
 def _parameters(parameters: dict | None) -> dict:

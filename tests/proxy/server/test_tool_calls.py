@@ -15,7 +15,7 @@ import pydantic
 import pytest
 
 from tests.helpers import assert_envelope
-from tests.proxy.server.test_tool_format import LLAMA_LIKE, NOTE, WEATHER
+from tests.proxy.server.test_tool_format import LLAMA_LIKE, NOTE, STRICT_WEATHER, WEATHER
 from tests.serving import serve, tiny_app
 
 MODEL = "gemma-3-270m"
@@ -87,8 +87,13 @@ def test_the_openai_round_trip(embedded_server):
                       "tool_calls": [{"id": call.id, "type": "function",
                                       "function": {"name": call.function.name, "arguments": call.function.arguments}}]},
                      {"role": "tool", "tool_call_id": call.id, "content": json.dumps({"sky": "clear", "celsius": 21})}]
-    second = client.chat.completions.create(model=MODEL, messages=history, tools=tools, temperature=0, max_tokens=40)
+    # tool_choice auto, the tool strict (as pydantic_function_tool makes it): any call it makes
+    # follows the schema, or parse would raise.
+    second = client.chat.completions.parse(model=MODEL, messages=history, tools=tools, parallel_tool_calls=False,
+                                           temperature=0, max_tokens=160)
     assert second.choices[0].finish_reason in ("stop", "length", "tool_calls")
+    for later in second.choices[0].message.tool_calls or []:
+        assert isinstance(later.function.parsed_arguments, GetWeather)
     assert second.usage.prompt_tokens > first.usage.prompt_tokens  # the call and the result are in the prompt
 
 
@@ -120,8 +125,9 @@ def test_a_prediction_drafts_the_call_and_changes_nothing(embedded_server):
     {"tool_choice": "required", "parallel_tool_calls": False},
     {"tool_choice": {"type": "function", "function": {"name": "get_weather"}}},
     {},  # auto: the random model writes text
+    {"tools": [STRICT_WEATHER, NOTE]},  # auto under the grammar a strict function asks for
     {"tool_choice": "none"},
-], ids=["required", "one-call", "named", "auto", "none"])
+], ids=["required", "one-call", "named", "auto", "auto-strict", "none"])
 def test_the_stream_adds_up_to_the_body(tiny_server, fields):
     body = message_of(chat(tiny_server, "tiny", **fields))
     assert streamed(tiny_server, "tiny", **fields) == body

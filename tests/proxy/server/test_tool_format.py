@@ -171,6 +171,31 @@ def test_the_grammar_takes_the_functions_calls_and_nothing_else(tiny, tokenizer,
     assert not accepts(llg, tokenizer, named, form.write("get_weather", '{"city": "Paris"}'))
 
 
+STRICT_WEATHER = {"type": "function", "function": {**WEATHER["function"], "strict": True}}
+
+
+@pytest.mark.parametrize("form", [call_format(""), call_format(LLAMA_LIKE)], ids=["tagged", "bare"])
+def test_a_strict_function_holds_a_free_answers_calls_to_its_schema(tiny, tokenizer, form):
+    _, llg = tiny
+    free = tool_plan({"tools": [WEATHER, NOTE]})
+    assert not free.constrained()  # no strict function: decoded freely, read as it comes
+    strict = tool_plan({"tools": [STRICT_WEATHER, NOTE]})
+    assert strict.constrained() and not strict.required
+    grammar = call_grammar(strict, form)
+    assert accepts(llg, tokenizer, grammar, "It is sunny in Paris, I think.")
+    assert accepts(llg, tokenizer, grammar, "")
+    call = form.write("get_weather", '{"city": "Paris"}')
+    assert accepts(llg, tokenizer, grammar, call)
+    assert not accepts(llg, tokenizer, grammar, form.write("get_weather", '{"town": "Paris"}'))
+    if form.tagged:  # text, then the calls
+        assert accepts(llg, tokenizer, grammar, "Let me look.\n" + call + "\n" + form.write("take_note", "{}"))
+        assert not accepts(llg, tokenizer, grammar, "Let me look. " + form.write("get_weather", '{"days": 1}'))
+        assert not accepts(llg, tokenizer, grammar, call + " and some text after")
+    else:  # the bare format's calls come first, or the answer is text
+        assert not accepts(llg, tokenizer, grammar, '{"name": "get_weather", "parameters": {"days": 1}}')
+        assert not accepts(llg, tokenizer, grammar, '{"answer": 42}')
+
+
 @pytest.mark.parametrize("draft", ["none", "oracle", "edited", "lookup"])
 def test_a_required_call_with_speculation_equals_constrained_plain_greedy(tiny, tiny_model, tokenizer, draft):
     engine, llg = tiny
@@ -193,3 +218,16 @@ def test_a_required_call_with_speculation_equals_constrained_plain_greedy(tiny, 
     content, calls = collect(parser.feed(result.text) + parser.finish())
     assert calls and calls[0]["function"]["name"] in plan.names() and content == ""
 
+
+
+@pytest.mark.parametrize("draft", ["none", "oracle"])
+def test_a_free_answer_under_a_strict_function_equals_constrained_plain_greedy(tiny, tiny_model, tokenizer, draft):
+    engine, llg = tiny
+    plan = tool_plan({"tools": [STRICT_WEATHER, NOTE]})
+    prompt_ids = tokenizer(chat_prompt(with_template(tokenizer, None), parsed(HISTORY[:1]).messages, plan))["input_ids"]
+    grammar = call_grammar(plan, call_format(""))
+    reference = constrained_greedy_reference(tiny_model, prompt_ids, 40, llg, grammar, engine.eos_token_ids)
+    prediction = tokenizer.decode(reference, skip_special_tokens=True) if draft == "oracle" else None
+    result = engine.generate(GenerationRequest(prompt_ids=prompt_ids, max_tokens=40, prediction=prediction,
+                                               grammar=Grammar(llg, grammar, tiny_model.config.vocab_size)))
+    assert_greedy_equal(tiny_model, prompt_ids, result.token_ids, reference, 1e-4)
