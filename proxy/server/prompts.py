@@ -73,9 +73,10 @@ def template_source(tokenizer) -> str:
     return "" if not template else template if isinstance(template, str) else str(template)
 
 
-def chat_prompt(tokenizer, messages, tools=None) -> str:
+def chat_prompt(tokenizer, messages, tools=None, add_generation_prompt: bool = True) -> str:
     """The prompt of a chat: its messages through the model's chat template, or the plain
-    transcript; ``tools``: the ``ToolPlan`` of the tools offered (``tool_calls/``)."""
+    transcript (which always ends with the assistant's turn); ``tools``: the ``ToolPlan`` of the
+    tools offered (``tool_calls/``)."""
     from foretell.proxy.server.tool_calls.format import call_format
     from foretell.proxy.server.tool_calls.prompt import chat_turns
 
@@ -85,7 +86,8 @@ def chat_prompt(tokenizer, messages, tools=None) -> str:
     if source:
         offered = {"tools": tools.as_sent()} if tools is not None and form.template_reads_tools else {}
         try:
-            return tokenizer.apply_chat_template(turns, tokenize=False, add_generation_prompt=True, **offered)
+            return tokenizer.apply_chat_template(turns, tokenize=False, add_generation_prompt=add_generation_prompt,
+                                                 **offered)
         except Exception as error:  # a template that rejects this conversation (e.g. roles)
             raise APIError(400, f"the model's chat template rejected the messages: {error}",
                            param="messages") from None

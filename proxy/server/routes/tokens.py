@@ -15,6 +15,7 @@ from foretell.proxy.server.guard import check_key
 from foretell.proxy.server.prompts import chat_prompt, prompt_ids
 from foretell.proxy.server.schema import DetokenizeRequest, TokenizeRequest, validate
 from foretell.proxy.server.state import Server
+from foretell.proxy.server.tool_calls.format import tool_plan
 
 
 def _check(request: Request, server: Server) -> None:
@@ -34,8 +35,10 @@ router = APIRouter(dependencies=[Depends(_check)])
 async def tokenize_endpoint(server: Server, body: JsonBody):
     parsed = validate(TokenizeRequest, body)
     local = _local_for(server, parsed.model)
+    # vLLM's field: the tools a chat offers, rendered as a generation request renders them.
+    tools = tool_plan(body) if parsed.messages is not None else None
     async with server.prompt_slots:
-        ids = await asyncio.to_thread(_tokenize, local.tokenizer, parsed, local.context)
+        ids = await asyncio.to_thread(_tokenize, local.tokenizer, parsed, local.context, tools)
     return JSONResponse({"count": len(ids), "max_model_len": local.context, "tokens": ids, "token_strs": None})
 
 
@@ -62,18 +65,9 @@ def _local_for(server, model: str | None):
     return local
 
 
-def _tokenize(tokenizer, parsed: TokenizeRequest, context) -> list[int]:
+def _tokenize(tokenizer, parsed: TokenizeRequest, context, tools) -> list[int]:
     if parsed.messages is not None:
-        turns = [{"role": "system" if m.role == "developer" else m.role, "content": m.text()}
-                 for m in parsed.messages]
-        if parsed.add_generation_prompt or not getattr(tokenizer, "chat_template", None):
-            text = chat_prompt(tokenizer, parsed.messages)
-        else:
-            try:
-                text = tokenizer.apply_chat_template(turns, tokenize=False, add_generation_prompt=False)
-            except Exception as error:  # a template that rejects this conversation
-                raise APIError(400, f"the model's chat template rejected the messages: {error}",
-                               param="messages") from None
+        text = chat_prompt(tokenizer, parsed.messages, tools, add_generation_prompt=parsed.add_generation_prompt)
         param, default_special = "messages", False
     else:
         text, param, default_special = parsed.prompt, "prompt", True

@@ -189,3 +189,13 @@ def test_a_forward_relays_tools_of_any_kind(tiny_server, stub_upstream):
                                                                       "tools": [{"type": "custom", "name": "grep"}]})
     assert response.status_code == 200, response.text
     assert stub_upstream.received[-1]["body"]["tools"] == custom
+
+
+def test_tokenize_counts_the_prompt_with_its_tools(tiny_server):
+    # vLLM's /tokenize takes the chat's tools: the count is the prompt the chat will run on.
+    used = chat(tiny_server, "tiny", max_tokens=1).json()["usage"]["prompt_tokens"]
+    # With the BOS the plain transcript's prompt gets (vLLM's /tokenize adds none to messages).
+    asked = {"model": "tiny", "messages": ASK, "add_special_tokens": True}
+    counted = httpx.post(tiny_server.base + "/tokenize", json={**asked, "tools": [WEATHER, NOTE]}, timeout=60).json()
+    without = httpx.post(tiny_server.base + "/tokenize", json=asked, timeout=60).json()
+    assert counted["count"] == used > without["count"]
