@@ -8,12 +8,10 @@ rejects nothing, even though the tokens around the seam differ.
 
 from __future__ import annotations
 
-import os
 import pickle
-import subprocess
-import sys
-import threading
 from difflib import SequenceMatcher
+
+from foretell.proxy.child_process import Child, serve
 
 
 def _matched_character_mask(prediction: str, completion: str) -> list[bool]:
@@ -59,44 +57,20 @@ def prediction_token_usage(prediction: str, token_starts: list[int], completion:
     return accepted, len(token_starts) - accepted
 
 
-# Predictions at least this long are counted in a child process: the diff is pure Python, and in
-# a thread of the server's process it would hold the GIL that the engine's thread needs between
-# every tensor operation (measured: one decoding step waited out a whole 3 s diff). The child is
-# this module run as a program (not multiprocessing, whose children import the parent's main
-# script again), at a lower priority than the engine's threads; it imports nothing heavy.
+# Predictions at least this long are counted in a child process (``child_process.py``): the diff
+# is pure Python, and in a thread of the server's process it would hold the GIL that the engine's
+# thread needs between every tensor operation (measured: one decoding step waited out a whole 3 s
+# diff).
 CHILD_PROCESS_CHARS = 32 * 1024
 
-
-class _Child:
-    def __init__(self):
-        self.process = subprocess.Popen([sys.executable, "-m", __name__], stdin=subprocess.PIPE,
-                                        stdout=subprocess.PIPE)
-        self.lock = threading.Lock()
-
-    def count(self, *args) -> tuple[int, int]:
-        with self.lock:  # one question at a time on the pipe
-            pickle.dump(args, self.process.stdin)
-            self.process.stdin.flush()
-            return pickle.load(self.process.stdout)
-
-
-_child: _Child | None = None
-_child_lock = threading.Lock()
+_child = Child(__name__)
 
 
 def expect(prediction: str) -> None:
     """A caller that will count ``prediction``'s usage later says so now: a long one starts the
     child meanwhile, so that the count does not wait for it."""
     if len(prediction) >= CHILD_PROCESS_CHARS:
-        _start_child()
-
-
-def _start_child() -> None:
-    """Start the child that counts long predictions, if it is not running."""
-    global _child
-    with _child_lock:
-        if _child is None or _child.process.poll() is not None:
-            _child = _Child()
+        _child.start()
 
 
 def count_away(prediction: str, token_starts: list[int], completion: str) -> tuple[int, int]:
@@ -104,24 +78,11 @@ def count_away(prediction: str, token_starts: list[int], completion: str) -> tup
     the calling thread, not the GIL); here for a short one, or where the child cannot run."""
     if len(prediction) >= CHILD_PROCESS_CHARS:
         try:
-            _start_child()
-            return _child.count(prediction, token_starts, completion)
+            return _child.ask(prediction, token_starts, completion)
         except (OSError, EOFError, pickle.PickleError):
             pass
     return prediction_token_usage(prediction, token_starts, completion)
 
 
-def _serve() -> None:
-    """The child: (prediction, token starts, completion) in, (accepted, rejected) out, on pipes."""
-    os.nice(10)
-    while True:
-        try:
-            args = pickle.load(sys.stdin.buffer)
-        except EOFError:  # the server has gone
-            return
-        pickle.dump(prediction_token_usage(*args), sys.stdout.buffer)
-        sys.stdout.buffer.flush()
-
-
 if __name__ == "__main__":
-    _serve()
+    serve(prediction_token_usage)

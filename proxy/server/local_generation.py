@@ -8,7 +8,6 @@ import asyncio
 
 from fastapi import Request
 
-from foretell.proxy.engine.draft_sources import PredictionEncoding
 from foretell.proxy.engine.grammar import json_grammar
 from foretell.proxy.engine.scheduler import TokensEvent
 from foretell.proxy import prediction_usage
@@ -60,7 +59,7 @@ def _tokenise(local, parsed, plan: RequestPlan):
     if not plan.prediction:
         return prompt_ids, None, grammar
     prediction_usage.expect(plan.prediction)  # counted when the request finishes
-    return prompt_ids, PredictionEncoding.of(local.tokenizer, plan.prediction), grammar
+    return prompt_ids, local.prediction_tokens.encode(plan.prediction), grammar
 
 
 def _grammar(local, plan: RequestPlan):

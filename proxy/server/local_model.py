@@ -32,6 +32,10 @@ class LocalModel:
         from foretell.proxy.server.tool_calls.format import call_format
 
         self.call_format = call_format(template_source(self.tokenizer))  # how its answers call tools
+        from foretell.proxy.prediction_tokens import PredictionTokenizer
+
+        # Predictions as token ids, a long one tokenised in a child process (GIL-free here).
+        self.prediction_tokens = PredictionTokenizer(self.tokenizer)
 
     def grammar(self, grammar: str):
         """A request's output grammar (``engine/grammar.py``; llguidance's text: ``json_grammar``,
@@ -90,6 +94,8 @@ def default_loader(settings: ServerSettings):
 
         scheduler = Scheduler(engine, settings.max_queue, settings.max_running, on_result=record)
         local = LocalModel(loaded, scheduler, name)
+        if settings.prediction_child_warmup:
+            local.prediction_tokens.warm()
         if settings.grammar_warmup:
             try:
                 local.grammar_tokenizer()  # structured output's table: now, not in the middle of serving

@@ -272,7 +272,7 @@ def test_a_long_predictions_usage_is_counted_off_the_engines_thread(tiny_model, 
     assert (result.stats.accepted_prediction_tokens, result.stats.rejected_prediction_tokens) == usage
     assert len(reported) == 1 and reported[0][0].startswith("foretell-finish") and reported[0][1:] == usage
     assert counted_on == []  # neither the engine's thread nor the finisher: the child process did
-    assert prediction_usage._child is not None
+    assert prediction_usage._child.process is not None and prediction_usage._child.process.poll() is None
 
 
 def test_a_failing_result_callback_still_answers_the_request(tiny_model, tokenizer, caplog):
