@@ -36,7 +36,7 @@ from foretell.proxy.server.logprobs_format import (
     join_logprobs,
     prompt_logprobs,
 )
-from foretell.proxy.server.prompts import given_prompt_ids, prompt_ids
+from foretell.proxy.server.prompts import adds_special_tokens, given_prompt_ids, prompt_ids
 from foretell.proxy.server.request_builder import RequestPlan, engine_requests
 from foretell.proxy.server.responses import Shape, engine_usage, finish_reason, speculation_report, usage
 from foretell.proxy.server.schema import CompletionRequest
@@ -49,7 +49,8 @@ def wanted(parsed) -> bool:
 
 # ---- the prompt, with each token's character span ------------------------------------------
 
-def _prompt_with_offsets(tokenizer, prompt: str | list[int], context: int | None) -> tuple[list[int], list[int], str]:
+def _prompt_with_offsets(tokenizer, prompt: str | list[int], context: int | None,
+                         special: bool | None = None) -> tuple[list[int], list[int], str]:
     """The prompt's ids (as the ordinary path makes them), each token's start in the prompt's
     text, and that text (a prompt of token ids: their decoded text, special tokens left out)."""
     if isinstance(prompt, list):
@@ -57,10 +58,10 @@ def _prompt_with_offsets(tokenizer, prompt: str | list[int], context: int | None
         text = tokenizer.decode(ids, skip_special_tokens=True)
         return ids, _laid_offsets(tokenizer, ids, text), text
     text = prompt
-    ids = prompt_ids(tokenizer, text, context, param="prompt")
-    has_bos = bool(tokenizer.bos_token) and text.startswith(tokenizer.bos_token)
+    ids = prompt_ids(tokenizer, text, context, param="prompt", special=special)
     try:
-        encoded = tokenizer(text, add_special_tokens=not has_bos, return_offsets_mapping=True)
+        encoded = tokenizer(text, add_special_tokens=adds_special_tokens(tokenizer, text, special),
+                            return_offsets_mapping=True)
         spans = encoded["offset_mapping"]
         if list(encoded["input_ids"]) == list(ids):
             return ids, [start for start, _ in spans], text
@@ -86,7 +87,7 @@ async def run(request: Request, server, local, parsed: CompletionRequest, plan: 
     """Answer ``parsed`` on ``local``; QueueFullError when the scheduler's queue is full."""
     async with server.prompt_slots:
         ids, offsets, prompt_text = await asyncio.to_thread(_prompt_with_offsets, local.tokenizer,
-                                                            parsed.prompt, local.context)
+                                                            parsed.prompt, local.context, parsed.add_special_tokens)
     scored = parsed.echo and parsed.logprobs is not None
     choices = engine_requests(parsed, plan, ids, local, prompt_logprobs=parsed.logprobs if scored else None)
     echo = _Echo(local, parsed, plan, ids, offsets, prompt_text)

@@ -24,7 +24,8 @@ def request_prompt_ids(tokenizer, parsed, is_chat: bool, context: int | None, to
     if not is_chat and isinstance(parsed.prompt, list):
         return given_prompt_ids(tokenizer, parsed.prompt, context)
     text = chat_prompt(tokenizer, parsed.messages, tools) if is_chat else parsed.prompt
-    return prompt_ids(tokenizer, text, context, param="messages" if is_chat else "prompt")
+    return prompt_ids(tokenizer, text, context, param="messages" if is_chat else "prompt",
+                      special=parsed.add_special_tokens)
 
 
 def given_prompt_ids(tokenizer, ids: list[int], context: int | None) -> list[int]:
@@ -40,12 +41,22 @@ def given_prompt_ids(tokenizer, ids: list[int], context: int | None) -> list[int
     return list(ids)
 
 
-def prompt_ids(tokenizer, text: str, context: int | None, param: str) -> list[int]:
-    # Chat templates write the BOS token themselves; do not add a second one.
-    has_bos = bool(tokenizer.bos_token) and text.startswith(tokenizer.bos_token)
+def adds_special_tokens(tokenizer, text: str, asked: bool | None = None) -> bool:
+    """Does tokenising ``text`` add the tokenizer's special tokens (its BOS)? ``asked``: the
+    request's ``add_special_tokens`` (vLLM's field), None where it sent none: then yes, unless the
+    text starts with the BOS already (chat templates write it themselves; not a second one)."""
+    if asked is not None:
+        return asked
+    return not (bool(tokenizer.bos_token) and text.startswith(tokenizer.bos_token))
+
+
+def prompt_ids(tokenizer, text: str, context: int | None, param: str, special: bool | None = None) -> list[int]:
+    """``text``'s ids (``special``: the request's ``add_special_tokens``, ``adds_special_tokens``);
+    APIError 400 where they do not fit ``context``."""
+    add = adds_special_tokens(tokenizer, text, special)
 
     def encode(part: str) -> list[int]:
-        return tokenizer(part, add_special_tokens=not has_bos)["input_ids"]
+        return tokenizer(part, add_special_tokens=add)["input_ids"]
 
     if context is None:
         return encode(text)

@@ -148,6 +148,9 @@ class _SamplingFields(_Lenient):
     prediction: Prediction | None = None
     speculation: Speculation | None = None
     response_format: ResponseFormat | None = None
+    # vLLM's extension: the tokenizer's special tokens (the BOS) added to the prompt or not; unset:
+    # added to a completion's prompt, and to a chat's where its template does not write the BOS.
+    add_special_tokens: StrictBool | None = None
 
     @field_validator("stop")
     @classmethod

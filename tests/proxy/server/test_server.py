@@ -159,6 +159,23 @@ def test_completion_equals_engine_greedy(client, engine_plain, tokenizer):
     assert response.usage.completion_tokens == len(expected.token_ids)
 
 
+def test_add_special_tokens_false_leaves_the_bos_out(client, engine_plain, tokenizer):
+    # vLLM's field, honoured rather than ignored: the prompt without its BOS is another prompt.
+    ids = tokenizer(PROMPT, add_special_tokens=False)["input_ids"]
+    assert ids != tokenizer(PROMPT)["input_ids"]
+    expected = engine_plain(ids, 12)
+    response = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=12, temperature=0,
+                                         extra_body={"add_special_tokens": False})
+    assert response.choices[0].text == expected.text and response.usage.prompt_tokens == len(ids)
+    echoed = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=0, echo=True, logprobs=0,
+                                       extra_body={"add_special_tokens": False})
+    assert echoed.choices[0].text == PROMPT and len(echoed.choices[0].logprobs.tokens) == len(ids)
+    chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=1,
+                                          extra_body={"add_special_tokens": False})
+    plain = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=1)
+    assert chat.usage.prompt_tokens == plain.usage.prompt_tokens - 1  # the plain transcript's BOS
+
+
 def test_completion_with_prediction_is_exact_and_reports_usage(client, engine_plain, tokenizer):
     expected = engine_plain(tokenizer(PROMPT)["input_ids"], 40)
     response = client.completions.create(
