@@ -15,10 +15,23 @@ DRAFT = 6
 
 
 @torch.inference_mode()
-def fresh_logits(model, ids):
-    """The next-token logits after every prefix of ``ids`` from one fresh forward: row ``i`` is
-    what a forward over ``ids[:i + 1]`` alone gives (causal attention), up to matmul shapes."""
-    return model(input_ids=torch.tensor([ids])).logits[0]
+def fresh_logits(model, ids, last: int):
+    """The next-token logits after each of the ``last`` longest prefixes of ``ids`` from one fresh
+    forward: row ``i`` is what a forward over ``ids[:len(ids) - last + i + 1]`` alone gives
+    (causal attention), up to matmul shapes. Only those rows pass the output head (262k columns
+    for every prompt position would be a gigabyte of logits for the embedded model)."""
+    return model(input_ids=torch.tensor([ids]), logits_to_keep=last).logits[0]
+
+
+_ORACLE: dict = {}  # (model, prompt) -> (greedy reference, fresh logits): each computed once
+
+
+def oracle(model, prompt_ids):
+    key = (id(model), tuple(prompt_ids))
+    if key not in _ORACLE:
+        reference = greedy_reference(model, prompt_ids, DRAFT + 1)
+        _ORACLE[key] = reference, fresh_logits(model, list(prompt_ids) + reference, len(reference) + 1)
+    return _ORACLE[key]
 
 
 def drafts_rejected_at_every_position(reference):
@@ -63,16 +76,15 @@ def rounds_in_one_batch(engine, prompt_ids, drafts):
 
 
 def check_rollback(engine, model, prompt_ids, atol, expect_reuse=False):
-    reference = greedy_reference(model, prompt_ids, DRAFT + 1)
+    reference, fresh = oracle(model, prompt_ids)  # every case's tokens are a prefix of prompt + reference
     cases = list(drafts_rejected_at_every_position(reference))
     outcomes = rounds_in_one_batch(engine, prompt_ids, [draft for _, draft in cases])
-    fresh = fresh_logits(model, list(prompt_ids) + reference)  # every case's tokens are a prefix
     for (j, _), (reused, accepted, new_tokens, logits) in zip(cases, outcomes):
         assert accepted == j
         assert new_tokens == reference[: j + 1]
         if expect_reuse:
             assert reused > 0
-        expected = fresh[len(prompt_ids) + j]  # after prompt + new_tokens
+        expected = fresh[j + 1]  # after prompt + new_tokens (row 0: after the prompt's last token but one)
         torch.testing.assert_close(logits, expected, atol=atol, rtol=0)
 
 
