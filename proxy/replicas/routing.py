@@ -19,6 +19,7 @@ from collections.abc import Hashable, Sequence
 from foretell.proxy.server.api_error import APIError
 from foretell.proxy.server.prompts import CUT_SLACK, PREFIX_CHARS_PER_TOKEN, chat_prompt, prompt_ids
 from foretell.proxy.server.schema import ChatCompletionRequest, CompletionRequest, validate
+from foretell.proxy.server.tool_calls.format import tool_plan
 
 log = logging.getLogger("foretell.ingress")
 
@@ -52,7 +53,7 @@ def prompt_hint(tokenizer, path: str, body: dict, block_size: int = BLOCK_SIZE) 
     try:
         parsed = validate(GENERATION_PATHS[path], body)
         if path == "/v1/chat/completions":
-            text = chat_prompt(tokenizer, parsed.messages)
+            text = chat_prompt(tokenizer, parsed.messages, tool_plan(body))  # the tools lead the prompt
         else:
             text = parsed.prompt
             if isinstance(text, list) and text and not isinstance(text[0], int):
@@ -63,7 +64,8 @@ def prompt_hint(tokenizer, path: str, body: dict, block_size: int = BLOCK_SIZE) 
         # so the cut text holds every hashed block whole, and the cut (which may change the tokens
         # beside it) lies past them.
         cut = PREFIX_CHARS_PER_TOKEN * (block_size * MAX_BLOCKS + CUT_SLACK)
-        return block_hashes(prompt_ids(tokenizer, text[:cut], None, param="prompt"), block_size)
+        return block_hashes(prompt_ids(tokenizer, text[:cut], None, param="prompt",
+                                       special=parsed.add_special_tokens), block_size)
     except (APIError, ValueError, TypeError, KeyError, IndexError) as error:
         log.debug("no routing hint: %s", error)
         return []

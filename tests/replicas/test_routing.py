@@ -17,6 +17,7 @@ from foretell.proxy.replicas.routing import (BLOCK_SIZE, MAX_BLOCKS, AffinityTab
 from foretell.proxy.server.metrics import Metrics
 from foretell.proxy.server.prompts import request_prompt_ids
 from foretell.proxy.server.schema import ChatCompletionRequest, CompletionRequest
+from foretell.proxy.server.tool_calls.format import tool_plan
 
 
 def test_block_hashes_chain_whole_blocks_only():
@@ -37,6 +38,10 @@ def test_block_hashes_chain_whole_blocks_only():
     {"model": "m", "prompt": list(range(100, 180))},
     {"model": "m", "messages": [{"role": "system", "content": "You edit code. " * 20},
                                 {"role": "user", "content": "Rename x to y in: x = 1\n" * 10}]},
+    # The tools lead the prompt (foretell's instructions in a system turn); no BOS where asked.
+    {"model": "m", "messages": [{"role": "user", "content": "Rename x to y in: x = 1\n" * 10}],
+     "tools": [{"type": "function", "function": {"name": "write_file", "description": "Write a file. " * 8}}]},
+    {"model": "m", "prompt": "def f(x):\n    return x\n" * 20, "add_special_tokens": False},
 ])
 def test_the_hint_hashes_the_tokens_a_replica_prefills(tokenizer, body):
     chat = "messages" in body
@@ -44,7 +49,7 @@ def test_the_hint_hashes_the_tokens_a_replica_prefills(tokenizer, body):
     parsed = (ChatCompletionRequest if chat else CompletionRequest).model_validate(body)
     if not chat and isinstance(parsed.prompt, list) and isinstance(parsed.prompt[0], (str, list)):
         parsed.prompt = parsed.prompt[0]  # a list of one prompt
-    engine_ids = request_prompt_ids(tokenizer, parsed, chat, context=None)
+    engine_ids = request_prompt_ids(tokenizer, parsed, chat, context=None, tools=tool_plan(body) if chat else None)
     hint = prompt_hint(tokenizer, path, body)
     assert hint and hint == block_hashes(engine_ids)
 
