@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import math
 import re
+from collections import Counter
 
 import torch
 
@@ -197,3 +199,27 @@ def constrained_greedy_reference(model, prompt_ids: list[int], max_new_tokens: i
     )
     tokens = out[0, len(prompt_ids):].tolist()
     return tokens
+
+
+ALPHA_Z = 3.09  # one-sided normal quantile for alpha = 0.001
+
+
+def chi_square(counts: Counter, expected: dict[tuple, float], n: int) -> tuple[float, float]:
+    """(statistic, critical value at alpha = 0.001); cells expected below 5 are pooled."""
+    stat, pooled_observed, pooled_expected, cells = 0.0, 0, 0.0, 0
+    for outcome, p in expected.items():
+        e = p * n
+        if e >= 5:
+            stat += (counts.get(outcome, 0) - e) ** 2 / e
+            cells += 1
+        else:
+            pooled_observed += counts.get(outcome, 0)
+            pooled_expected += e
+    unexpected = sum(c for outcome, c in counts.items() if outcome not in expected)
+    assert unexpected == 0, "the engine emitted a sequence of probability zero"
+    if pooled_expected > 0:
+        stat += (pooled_observed - pooled_expected) ** 2 / pooled_expected
+        cells += 1
+    df = cells - 1
+    critical = df * (1 - 2 / (9 * df) + ALPHA_Z * math.sqrt(2 / (9 * df))) ** 3  # Wilson-Hilferty
+    return stat, critical

@@ -359,3 +359,92 @@ def test_acceptance_rate_is_p_of_the_draft():
     assert (recovered != 0).all()
     share = (recovered == 1).float().mean().item()
     assert abs(share - 4 / 7) < 0.04
+
+
+# ---- drafts drawn from a distribution q (a draft model) -------------------------------------------
+
+def draft_distributions(draft, V, seed, sharpness=2.0):
+    """q rows for ``draft`` [N]: random distributions, each giving its draft token some mass."""
+    g = torch.Generator().manual_seed(seed)
+    q = torch.softmax(torch.randn(draft.shape[0], V, generator=g) * sharpness, dim=-1)
+    q[torch.arange(draft.shape[0]), draft.cpu()] += 0.05
+    return dev(q / q.sum(dim=1, keepdim=True))
+
+
+@pytest.mark.parametrize("seed", range(3))
+@pytest.mark.parametrize("block_v,block_k", [(16, 2), (64, 8)])
+def test_kernel_with_a_draft_distribution_matches_the_reference(seed, block_v, block_k):
+    probs, draft, cu, uniform, exp_noise = make_case(random_ks(6, 5, seed), 37, seed=seed)
+    q = draft_distributions(draft, 37, seed)
+    expected = reference(probs, draft, cu, uniform, exp_noise, q)
+    assert_same(triton_fn(probs, draft, cu, uniform, exp_noise, q, block_v=block_v, block_k=block_k), expected)
+    assert_same(rs.rejection_sample(probs, draft, cu, uniform, exp_noise, q), expected)
+
+
+def test_a_one_hot_draft_distribution_is_the_point_mass_path():
+    probs, draft, cu, uniform, exp_noise = make_case([3, 0, 4, 1], 29, seed=4)
+    one_hot = torch.nn.functional.one_hot(draft, 29).float()
+    expected = reference(probs, draft, cu, uniform, exp_noise)
+    assert_same(reference(probs, draft, cu, uniform, exp_noise, one_hot), expected)
+    assert_same(triton_fn(probs, draft, cu, uniform, exp_noise, one_hot, block_v=8, block_k=2), expected)
+
+
+@pytest.mark.parametrize("poison", ["nan", "no mass on the draft"])
+def test_a_bad_draft_distribution_fails_safe_and_is_reported(poison):
+    probs, draft, cu, uniform, exp_noise = make_case([3], 20, seed=5)
+    uniform = dev(torch.zeros(3))  # every draft would be accepted
+    q = draft_distributions(draft, 20, 5)
+    if poison == "nan":
+        q[1, 0] = float("nan")
+    else:
+        q[1] = 0.0
+        q[1, (int(draft[1]) + 1) % 20] = 1.0
+    for fn in (reference, kernel(block_v=8, block_k=2)):
+        accepted, out, invalid = fn(probs, draft, cu, uniform, exp_noise, q)
+        assert (int(accepted[0]), int(invalid[0])) == (1, 1)
+        assert out.tolist() == [int(draft[0]), -1, -1, -1]
+
+
+def emitted_first_tokens(rule, p0, q0, p1, trials, seed):
+    """The first token of ``trials`` sequences that each draft one token x ~ q0 (row 0: p0, the
+    bonus row: p1), under ``rule``: the kernel's reference or a wrong rule."""
+    V = p0.shape[0]
+    g = torch.Generator().manual_seed(seed)
+    draft = torch.multinomial(q0, trials, replacement=True, generator=g)  # [trials]
+    uniform = torch.rand(trials, generator=g)
+    exp_noise = torch.empty(trials, V).exponential_(generator=g)
+    if rule == "p/q rule":
+        probs = torch.stack([p0, p1]).repeat(trials, 1)  # [2 trials, V]
+        _, out, _ = reference(probs, draft, torch.arange(1, trials + 1), uniform, exp_noise,
+                              q0.expand(trials, V).contiguous())
+        return out.view(trials, 2)[:, 0]
+    p_x, q_x = p0[draft], q0[draft]  # [trials]
+    accept = (uniform < p_x) if rule == "accept by p alone" else (uniform * q_x < p_x)
+    if rule == "recover without x":  # the point-mass residual after a test by p/q
+        weights = p0.expand(trials, V).clone()
+        weights[torch.arange(trials), draft] = 0.0
+    elif rule == "recover from p":  # the residual p - q not taken
+        weights = p0.expand(trials, V)
+    else:  # accept by p alone, recover from max(0, p - q)
+        weights = (p0 - q0).clamp(min=0).expand(trials, V)
+    recovered = torch.where(weights > 0, weights / exp_noise, torch.full_like(exp_noise, -1.0)).argmax(dim=1)
+    return torch.where(accept, draft, recovered)
+
+
+@pytest.mark.parametrize("rule,exact", [("p/q rule", True), ("recover without x", False),
+                                        ("recover from p", False), ("accept by p alone", False)])
+def test_drafts_from_q_keep_the_target_distribution(rule, exact):
+    """The first token of a sequence that drafted x ~ q follows p exactly (chi-square at alpha =
+    0.001), and the wrong rules are caught by the same test."""
+    from collections import Counter
+
+    from tests.helpers import chi_square
+
+    p0 = torch.tensor([0.35, 0.05, 0.3, 0.1, 0.2])
+    q0 = torch.tensor([0.1, 0.5, 0.1, 0.2, 0.1])  # a draft model that likes token 1, which p does not
+    p1 = torch.tensor([0.2, 0.2, 0.2, 0.2, 0.2])
+    trials = 20000
+    first = emitted_first_tokens(rule, p0, q0, p1, trials, seed=0)
+    counts = Counter((int(token),) for token in first)
+    stat, critical = chi_square(counts, {(v,): float(p0[v]) for v in range(5)}, trials)
+    assert (stat < critical) == exact, (stat, critical, sorted(counts.items()))

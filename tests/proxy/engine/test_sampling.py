@@ -8,7 +8,6 @@ test run with two wrong verify rules must fail, which shows the test has the pow
 
 from __future__ import annotations
 
-import math
 from collections import Counter
 
 import pytest
@@ -18,11 +17,10 @@ import foretell.proxy.engine.sampling as sampling
 from foretell.kernels import rejection_sample_reference
 from foretell.proxy.engine import GenerationRequest, SpeculativeEngine
 from foretell.proxy.engine.sampling import InvalidDistributionError, target_probs
-from tests.helpers import build_small_vocab_model
+from tests.helpers import build_small_vocab_model, chi_square
 
 PROMPT = "abcabd"
 SAMPLES = 3000
-ALPHA_Z = 3.09  # one-sided normal quantile for alpha = 0.001
 
 
 @pytest.fixture(scope="module")
@@ -52,27 +50,6 @@ def exact_distribution(model, prompt_ids, length, eos, **sampling_args) -> dict[
 
     walk([], 1.0)
     return result
-
-
-def chi_square(counts: Counter, expected: dict[tuple, float], n: int) -> tuple[float, float]:
-    """(statistic, critical value at alpha = 0.001); cells expected below 5 are pooled."""
-    stat, pooled_observed, pooled_expected, cells = 0.0, 0, 0.0, 0
-    for outcome, p in expected.items():
-        e = p * n
-        if e >= 5:
-            stat += (counts.get(outcome, 0) - e) ** 2 / e
-            cells += 1
-        else:
-            pooled_observed += counts.get(outcome, 0)
-            pooled_expected += e
-    unexpected = sum(c for outcome, c in counts.items() if outcome not in expected)
-    assert unexpected == 0, "the engine emitted a sequence of probability zero"
-    if pooled_expected > 0:
-        stat += (pooled_observed - pooled_expected) ** 2 / pooled_expected
-        cells += 1
-    df = cells - 1
-    critical = df * (1 - 2 / (9 * df) + ALPHA_Z * math.sqrt(2 / (9 * df))) ** 3  # Wilson-Hilferty
-    return stat, critical
 
 
 def sample_many(engine, prompt_ids, prediction, n=SAMPLES, batch=16, **sampling_args):
