@@ -105,24 +105,30 @@ class MaskTimer:
         self.compute, self.wait, self.rows, self.steps = 0.0, 0.0, 0, 0
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--docs", type=int, default=4)
-    parser.add_argument("--rounds", type=int, default=2)
-    parser.add_argument("--max-tokens", type=int, default=400)
-    args = parser.parse_args()
-
+def embedded_engine_with_grammar():
+    """The embedded model's calibrated engine at the server's default precision for this machine
+    (--dtype/--quantize auto), its tokenizer and vocabulary size, and llguidance's table of it;
+    the table's build time, and a line naming the CPU and the precision."""
     from foretell.proxy.engine.kernel_timing import describe_cpu
 
-    # The embedded model at the server's default precision for this machine (--dtype/--quantize auto).
     loaded = load_model(None, dtype="auto", quantize="auto")
     engine = SpeculativeEngine(loaded.model, loaded.tokenizer)
     engine.calibrate()
     tokenizer, vocab = loaded.tokenizer, loaded.model.config.vocab_size
     started = time.perf_counter()
     table = grammar_tokenizer(tokenizer, vocab, engine.eos_token_ids)
-    print(f"CPU: {describe_cpu()}; engine: {engine.precision}; grammar table built in "
-          f"{time.perf_counter() - started:.1f} s")
+    built = time.perf_counter() - started
+    return engine, tokenizer, vocab, table, built, f"CPU: {describe_cpu()}; engine: {engine.precision}"
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--docs", type=int, default=4)
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--max-tokens", type=int, default=400)
+    args = parser.parse_args()
+    engine, tokenizer, vocab, table, built, machine = embedded_engine_with_grammar()
+    print(f"{machine}; grammar table built in {built:.1f} s")
     timer = MaskTimer()
     # (tokens/s, passes per token, mask ms/step, wait ms/step, tokens, ended by itself)
     figures = {mode: [] for mode in MODES}

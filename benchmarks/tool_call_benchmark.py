@@ -30,11 +30,10 @@ import time
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-from structured_benchmark import document  # noqa: E402  (benchmarks/ is the script's folder)
+from structured_benchmark import document, embedded_engine_with_grammar  # noqa: E402  (benchmarks/ is the script's folder)
 
-from foretell.proxy.engine import GenerationRequest, SpeculativeEngine  # noqa: E402
-from foretell.proxy.engine.grammar import Grammar, grammar_tokenizer  # noqa: E402
-from foretell.proxy.engine.model_loader import load_model  # noqa: E402
+from foretell.proxy.engine import GenerationRequest  # noqa: E402
+from foretell.proxy.engine.grammar import Grammar  # noqa: E402
 from foretell.proxy.server.prompts import chat_prompt, implied_chat_stops  # noqa: E402
 from foretell.proxy.server.schema import ChatCompletionRequest  # noqa: E402
 from foretell.proxy.server.tool_calls.format import call_format, call_grammar, tool_plan  # noqa: E402
@@ -54,18 +53,10 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=1)
     parser.add_argument("--max-tokens", type=int, default=500)
     args = parser.parse_args()
-
-    from foretell.proxy.engine.kernel_timing import describe_cpu
-
-    # The embedded model at the server's default precision for this machine (--dtype/--quantize auto).
-    loaded = load_model(None, dtype="auto", quantize="auto")
-    engine = SpeculativeEngine(loaded.model, loaded.tokenizer)
-    engine.calibrate()
-    tokenizer, vocab = loaded.tokenizer, loaded.model.config.vocab_size
-    table = grammar_tokenizer(tokenizer, vocab, engine.eos_token_ids)
+    engine, tokenizer, vocab, table, _, machine = embedded_engine_with_grammar()
     form = call_format("")  # the embedded model has no chat template: foretell's plain format
     stops, _ = implied_chat_stops(tokenizer)
-    print(f"CPU: {describe_cpu()}; engine: {engine.precision}")
+    print(machine)
     figures = {mode: [] for mode in MODES}  # (tokens/s, passes per token, tokens, a call with JSON arguments)
     for _ in range(args.rounds):
         for index in range(args.docs):
