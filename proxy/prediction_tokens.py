@@ -7,6 +7,10 @@ same Rust tokenizer (its ``tokenizer.json``) and sends back the ids and offsets 
 integers, which become lists here in a few milliseconds. A probe checks once that the child
 tokenises as the server's tokenizer does; where it does not, or the child cannot run, the
 prediction is tokenised here as before.
+
+The child holds a large vocabulary's tokenizer (~300 MB for Gemma's 262k tokens), so it starts
+with the first long prediction (which waits about a second for it), not with every server, and
+one child per tokenizer file serves the whole process.
 """
 
 from __future__ import annotations
@@ -20,6 +24,8 @@ from foretell.proxy.child_process import Child, serve
 
 # Predictions at least this long are tokenised in the child (shorter ones take milliseconds).
 CHILD_PROCESS_CHARS = 32 * 1024
+_CHILDREN: dict = {}  # tokenizer file -> its Child, shared by every server of the process
+_CHILDREN_LOCK = threading.Lock()
 PROBE = "def probe(x):\n    return {'é': x}  # 東京 🙂\n\tdone\n"
 
 
@@ -32,13 +38,9 @@ class PredictionTokenizer:
         self.source = os.path.join(folder, "tokenizer.json")
         # None: not tried yet; False: the child is not used (no tokenizer file, or it differs).
         self.usable: bool | None = None if os.path.isfile(self.source) else False
-        self.child = Child(__name__)
+        with _CHILDREN_LOCK:
+            self.child = _CHILDREN.setdefault(self.source, Child(__name__))
         self.lock = threading.Lock()
-
-    def warm(self) -> None:
-        """Start the child and its tokenizer now, in the background (a second at a low
-        priority), so that the first long prediction does not wait for them."""
-        threading.Thread(target=self._child_ready, name="foretell-prediction-tokens", daemon=True).start()
 
     def encode(self, prediction: str):
         from foretell.proxy.engine.draft_sources import PredictionEncoding

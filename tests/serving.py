@@ -80,10 +80,8 @@ def tiny_app(folder, *, served_model_name: str = "tiny", **settings):
 
     settings.setdefault("dtype", "float32")
     settings.setdefault("calibrate", False)
-    # As --no-grammar-warmup: a test server builds structured output's table only if it is used,
-    # and starts the child that tokenises long predictions only if one comes.
+    # As --no-grammar-warmup: a test server builds structured output's table only if it is used.
     settings.setdefault("grammar_warmup", False)
-    settings.setdefault("prediction_child_warmup", False)
     return create_app(ServerSettings(model=str(folder), served_model_name=served_model_name, **settings))
 
 

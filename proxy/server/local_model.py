@@ -94,8 +94,6 @@ def default_loader(settings: ServerSettings):
 
         scheduler = Scheduler(engine, settings.max_queue, settings.max_running, on_result=record)
         local = LocalModel(loaded, scheduler, name)
-        if settings.prediction_child_warmup:
-            local.prediction_tokens.warm()
         if settings.grammar_warmup:
             try:
                 local.grammar_tokenizer()  # structured output's table: now, not in the middle of serving

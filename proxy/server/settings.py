@@ -43,6 +43,3 @@ class ServerSettings:
     # Build structured output's vocabulary table while loading (seconds, holding the GIL)
     # rather than at the first request with a response_format.
     grammar_warmup: bool = True
-    # Start the child process that tokenises long predictions while loading (prediction_tokens.py)
-    # rather than at the first long prediction, which would wait a second for it.
-    prediction_child_warmup: bool = True

@@ -19,16 +19,30 @@ LONG = "".join(f"line {i}: naïve café 東京タワー 🗼 e\u0301 \t{i * 7 % 
 
 @pytest.fixture
 def tokens(tokenizer):
+    """A fresh PredictionTokenizer whose (process-wide, per tokenizer file) child is not running."""
     encoder = PredictionTokenizer(tokenizer)
+    stop_child(encoder)
     yield encoder
+    stop_child(encoder)
+
+
+def stop_child(encoder):
     if encoder.child.process is not None:
         encoder.child.process.kill()
+        encoder.child.process.wait()
+        encoder.child.process = None
 
 
 def test_a_long_prediction_comes_back_from_the_child_as_tokenised_here(tokens, tokenizer):
     assert len(LONG) >= CHILD_PROCESS_CHARS
     assert tokens.encode(LONG) == PredictionEncoding.of(tokenizer, LONG)
     assert tokens.usable and tokens.child.process.poll() is None  # the child did it
+
+
+def test_servers_of_one_model_share_one_child(tokens, tokenizer):
+    tokens.encode(LONG)
+    other = PredictionTokenizer(tokenizer)  # another server's LocalModel, same tokenizer file
+    assert other.child is tokens.child and other.encode(LONG) == tokens.encode(LONG)
 
 
 def test_a_short_prediction_needs_no_child(tokens, tokenizer):
