@@ -148,9 +148,9 @@ RUN_OPTIONS = _options(
     Option("no_calibrate", "flag", False, "FORETELL_NO_CALIBRATE", env_form="=1",
            help="skip measuring the pass cost at start-up"),
     Option("no_grammar_warmup", "flag", False, "FORETELL_NO_GRAMMAR_WARMUP", env_form="=1",
-           help="skip building structured output's vocabulary table (response_format) while the model "
-                "loads, a few seconds at 262k tokens; the first request with a response_format then builds "
-                "it, and every running stream waits meanwhile"),
+           help="skip building the grammar engine's vocabulary table (response_format, required or strict "
+                "tool calls) while the model loads, a few seconds at 262k tokens; the first request that "
+                "needs it then builds it, and every running stream waits meanwhile"),
     Option("recalibrate", "flag", False, "FORETELL_RECALIBRATE", env_form="=1",
            help="measure the pass cost again instead of reusing this machine's cached calibration of the model"),
     Option("log_level", "choice", "info", "FORETELL_LOG_LEVEL", choices=LOG_LEVELS, metavar="LEVEL",

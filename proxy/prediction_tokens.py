@@ -53,10 +53,12 @@ class PredictionTokenizer:
         return PredictionEncoding.of(self.tokenizer, prediction)
 
     def _child_ready(self) -> bool:
+        from foretell.proxy.engine.draft_sources import PredictionEncoding
+
         with self.lock:
             if self.usable is None:
                 try:
-                    self.usable = self._from_child(PROBE) == _encode_here(self.tokenizer, PROBE)
+                    self.usable = self._from_child(PROBE) == PredictionEncoding.of(self.tokenizer, PROBE)
                 except (OSError, EOFError, pickle.PickleError):
                     self.usable = False
             return self.usable
@@ -69,12 +71,6 @@ class PredictionTokenizer:
             raise EOFError("the child could not load the tokenizer")
         ids, starts = (array("q", packed).tolist() for packed in answer)
         return PredictionEncoding(ids, starts)
-
-
-def _encode_here(tokenizer, text: str):
-    from foretell.proxy.engine.draft_sources import PredictionEncoding
-
-    return PredictionEncoding.of(tokenizer, text)
 
 
 # ---- the child ------------------------------------------------------------------------------

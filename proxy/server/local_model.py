@@ -96,9 +96,9 @@ def default_loader(settings: ServerSettings):
         local = LocalModel(loaded, scheduler, name)
         if settings.grammar_warmup:
             try:
-                local.grammar_tokenizer()  # structured output's table: now, not in the middle of serving
-            except ValueError as error:  # a slow (Python) tokenizer: structured output answers 400
-                log.warning("structured output (response_format) unavailable: %s", error)
+                local.grammar_tokenizer()  # the grammar's table: now, not in the middle of serving
+            except ValueError as error:  # a slow (Python) tokenizer: grammar requests answer 400
+                log.warning("structured output and required tool calls unavailable: %s", error)
         return local
 
     return load

@@ -8,6 +8,8 @@ refused after tokenising a bounded prefix of it.
 from __future__ import annotations
 
 from foretell.proxy.server.api_error import APIError
+from foretell.proxy.server.tool_calls.format import call_format
+from foretell.proxy.server.tool_calls.prompt import chat_turns
 
 # No token of common vocabularies spans more characters than this (Gemma's longest: 31), so a
 # prefix of this many characters per token of the context holds more tokens than the context:
@@ -88,9 +90,6 @@ def chat_prompt(tokenizer, messages, tools=None, add_generation_prompt: bool = T
     """The prompt of a chat: its messages through the model's chat template, or the plain
     transcript (which always ends with the assistant's turn); ``tools``: the ``ToolPlan`` of the
     tools offered (``tool_calls/``)."""
-    from foretell.proxy.server.tool_calls.format import call_format
-    from foretell.proxy.server.tool_calls.prompt import chat_turns
-
     source = template_source(tokenizer)
     form = call_format(source)
     turns = chat_turns(messages, tools, form, has_template=bool(source))

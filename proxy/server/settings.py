@@ -40,6 +40,6 @@ class ServerSettings:
     # key, user, global or off) and how many output tokens it holds, all scopes together.
     draft_cache_scope: str = DRAFT_CACHE_SCOPE
     draft_cache_tokens: int = DRAFT_CACHE_TOKENS
-    # Build structured output's vocabulary table while loading (seconds, holding the GIL)
-    # rather than at the first request with a response_format.
+    # Build the grammar engine's vocabulary table while loading (seconds, holding the GIL) rather
+    # than at the first request with a response_format or a required or strict tool call.
     grammar_warmup: bool = True

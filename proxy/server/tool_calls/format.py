@@ -132,6 +132,7 @@ def _parameters(parameters: dict | None) -> dict:
 
 
 def grammar_error(error: Exception) -> APIError:
-    """A 400 for tools whose parameter schemas the grammar engine cannot take."""
-    return APIError(400, f"tools: a function's parameters are not a JSON schema the grammar engine takes: {error}",
+    """A 400 for tools whose calls' grammar cannot be built (a parameter schema the grammar
+    engine does not take, or a model whose tokenizer it cannot read)."""
+    return APIError(400, f"tools: the grammar of their calls cannot be built: {error}",
                     param="tools", code="invalid_json_schema")

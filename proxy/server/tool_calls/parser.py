@@ -81,7 +81,6 @@ class ToolCallParser:
         self.buffer = ""
         self.space = ""  # whitespace after content: content only if more content follows
         self.calls = 0
-        self.seen_text = False  # bare format: content came first, so no calls
         self.value: _ValueEnd | None = None
 
     def feed(self, text: str) -> list:
@@ -94,9 +93,7 @@ class ToolCallParser:
     def finish(self) -> list:
         """The events the end of the text completes (a call cut off, held-back text)."""
         events: list = []
-        if self.state == "text":
-            self._content(self.buffer, events)
-        elif self.state == "plain":
+        if self.state in ("text", "plain"):
             self._content(self.buffer, events)
         elif self.state == "head" and _HEAD.match(self.buffer, partial=True) is not None:
             pass  # a call cut off before its arguments (max_tokens): neither a call nor content
@@ -148,7 +145,7 @@ class ToolCallParser:
                 self.space += self.buffer if not self.calls else ""
                 self.buffer = ""
                 return False
-            if stripped[0] == "{" and not self.seen_text:
+            if stripped[0] == "{":  # (content before it would have made the answer plain)
                 self.state = "head"
             elif self.calls and stripped[0] == ";":  # Llama's separator between calls
                 self.buffer = stripped[1:]
@@ -208,7 +205,6 @@ class ToolCallParser:
     def _content(self, text: str, events: list) -> None:
         body = text.rstrip()
         if body:
-            self.seen_text = True
             events.append(Content(self.space + body))
             self.space = text[len(body):]
         else:
