@@ -1,6 +1,7 @@
 """Terminal colours by token origin for ``foretell generate --color`` and ``foretell edit --color``:
 green for text accepted from the prediction, cyan from prompt lookup, magenta from the draft cache
-of earlier answers (``suffix_cache``), the terminal's own colour for the target model's own tokens.
+of earlier answers (``suffix_cache``), yellow from the draft model (``draft_model``), the terminal's
+own colour for the target model's own tokens.
 
 ``--color auto`` (the default) colours when stdout is a terminal and ``NO_COLOR`` is not set
 (https://no-color.org); ``always`` and ``never`` decide regardless.
@@ -12,7 +13,8 @@ import os
 from typing import Iterable, Mapping, TextIO
 
 RESET = "\x1b[0m"
-STYLES = {"prediction": "\x1b[32m", "prompt_lookup": "\x1b[36m", "suffix_cache": "\x1b[35m"}  # green, cyan, magenta
+STYLES = {"prediction": "\x1b[32m", "prompt_lookup": "\x1b[36m", "suffix_cache": "\x1b[35m",
+          "draft_model": "\x1b[33m"}  # green, cyan, magenta, yellow
 CHOICES = ("auto", "always", "never")
 
 
@@ -40,7 +42,7 @@ def paint(text: str, origin: str | None) -> str:
 def legend() -> str:
     return (f"foretell: colours: {paint('prediction', 'prediction')}, "
             f"{paint('prompt lookup', 'prompt_lookup')}, {paint('earlier answers', 'suffix_cache')}, "
-            "the target model's own: plain")
+            f"{paint('draft model', 'draft_model')}, the target model's own: plain")
 
 
 def paint_spans(spans: Iterable[tuple[str, str | None]]) -> str:

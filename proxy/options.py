@@ -115,8 +115,8 @@ ENGINE_OPTIONS = _options(
                 "default to 16 as OpenAI's)"),
 )
 
-# The precision and kernels of the commands that load the model (serve, generate). None: the
-# configuration file's local route, else "auto".
+# The precision, kernels and draft model of the commands that load the model (serve, generate).
+# None: the configuration file's local route, else "auto" (no draft model).
 PRECISION_OPTIONS = _options(
     Option("dtype", "choice", None, "FORETELL_DTYPE", choices=DTYPE_CHOICES, in_config=True,
            help="weights' dtype: auto (default: float32 beside --quantize auto's int8, else bfloat16 on "
@@ -139,6 +139,13 @@ PRECISION_OPTIONS = _options(
            help="attention and verification kernels: auto (default: Triton on CUDA, each checked against "
                 "its torch reference at start-up and replaced by it if it fails; the torch references "
                 "elsewhere), triton (also on a CPU under TRITON_INTERPRET=1: slow, for tests) or reference"),
+    Option("draft_model", "text", None, "FORETELL_DRAFT_MODEL", metavar="M", in_config=True,
+           help="a draft model proposing tokens beside the other draft sources, weighed against them by its "
+                "measured cost: a smaller model with the target's tokenizer (a .gguf file or a Hugging Face "
+                "folder, loaded at the target's precision), or self:int8 / self:int4 (the target's own "
+                "weights at that quantization). It drafts for requests without a prediction unless a "
+                "request says otherwise (speculation: {\"draft_model\": true|false}); text is unchanged "
+                "(default: none)"),
 )
 # What a local route of the configuration file may set, as on the command line.
 PRECISION_KEYS = tuple(name for name, option in PRECISION_OPTIONS.items() if option.in_config)

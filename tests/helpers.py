@@ -223,3 +223,60 @@ def chi_square(counts: Counter, expected: dict[tuple, float], n: int) -> tuple[f
     df = cells - 1
     critical = df * (1 - 2 / (9 * df) + ALPHA_Z * math.sqrt(2 / (9 * df))) ** 3  # Wilson-Hilferty
     return stat, critical
+
+
+# ---- the sampling oracle: exact distributions of a small-vocabulary model -------------------
+
+SAMPLES = 3000  # seeded requests per distribution test
+
+
+@torch.inference_mode()
+def next_probs(model, ids, temperature, top_k=None, top_p=1.0) -> torch.Tensor:
+    from foretell.proxy.engine.sampling import target_probs
+
+    logits = model(input_ids=torch.tensor([ids])).logits[0, -1:]
+    return target_probs(logits, temperature, top_k, top_p)[0]
+
+
+def exact_distribution(model, prompt_ids, length, eos, **sampling_args) -> dict[tuple, float]:
+    """P(first ``length`` tokens), a sequence ending early at EOS (as the engine stops there)."""
+    result = {}
+
+    def walk(prefix, mass):
+        if len(prefix) == length or (prefix and prefix[-1] == eos):
+            result[tuple(prefix)] = result.get(tuple(prefix), 0.0) + mass
+            return
+        probs = next_probs(model, prompt_ids + prefix, **sampling_args)
+        for token, p in enumerate(probs.tolist()):
+            if p > 0:
+                walk(prefix + [token], mass * p)
+
+    walk([], 1.0)
+    return result
+
+
+def sample_many(engine, prompt_ids, prediction, n=None, batch=16, **sampling_args):
+    """The first three tokens of ``n`` requests seeded 0..n-1, ``batch`` of them in flight in each
+    target pass (the engine's batched step, as the server runs it: each sequence draws from its
+    own seeded generator, so a sample's distribution does not depend on its neighbours), which
+    takes a sixteenth of the passes one request at a time would."""
+    from foretell.proxy.engine import GenerationRequest
+
+    counts, drafted, accepted = Counter(), 0, 0
+    seeds, running = iter(range(SAMPLES if n is None else n)), []
+    while True:
+        while len(running) < batch and (seed := next(seeds, None)) is not None:
+            seq = engine.add(GenerationRequest(prompt_ids=prompt_ids, max_tokens=3, prediction=prediction,
+                                               prompt_lookup=False, seed=seed, **sampling_args))
+            assert seq is not None, "the KV cache should hold a batch of three-token requests"
+            running.append(seq)
+        if not running:
+            return counts, drafted, accepted
+        for update in engine.step(running):
+            if update.error is not None:
+                raise update.error
+            if update.result is not None:
+                running.remove(update.sequence)
+                counts[tuple(update.result.token_ids)] += 1
+                drafted += update.result.stats.drafted_tokens
+                accepted += update.result.stats.accepted_tokens

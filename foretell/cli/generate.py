@@ -60,7 +60,7 @@ def add_parser(commands) -> None:
                                "calibration of the model (under the foretell cache folder)")
     generate.add_argument("--color", choices=CHOICES, default="auto",
                           help="colour the text by token origin: green from the prediction, cyan "
-                               "from prompt lookup, plain the model's own (default: auto, when stdout "
+                               "from prompt lookup, yellow from the draft model, plain the model's own (default: auto, when stdout "
                                "is a terminal and NO_COLOR is unset)")
     generate.add_argument("--json-stats", action="store_true",
                           help="print the statistics to stderr as one JSON object")
@@ -105,9 +105,16 @@ def run(args: argparse.Namespace) -> int:
     except (ValueError, RuntimeError, OSError) as error:
         raise SystemExit(f"foretell: cannot load model: {error}") from None
     try:
+        draft = None
+        if args.draft_model:
+            from foretell.proxy.engine.draft_model import load_draft_model
+
+            print(f"foretell: loading the draft model {args.draft_model}...", file=sys.stderr, flush=True)
+            draft = load_draft_model(args.draft_model, loaded)
         engine = SpeculativeEngine(loaded.model, loaded.tokenizer, fp32_head=args.fp32_head,
-                                   kernels=args.kernels)
-    except ValueError as error:
+                                   kernels=args.kernels, draft_model=draft and draft.model,
+                                   draft_model_name=args.draft_model or "draft")
+    except (ValueError, RuntimeError, OSError) as error:
         raise SystemExit(f"foretell: {error}") from None
     print(f"foretell: precision {engine.precision}", file=sys.stderr)
     if not args.no_calibrate:
@@ -116,6 +123,10 @@ def run(args: argparse.Namespace) -> int:
         cost = calibrate_with_cache(engine, loaded.source, recalibrate=args.recalibrate).pass_cost
         print(f"foretell: pass cost {1000 * cost.fixed:.0f} ms + {1000 * cost.per_position:.1f} ms "
               "per position", file=sys.stderr)
+        if engine.draft_model is not None:
+            cost = engine.draft_model.calibrate()
+            print(f"foretell: draft pass cost {1000 * cost.fixed:.0f} ms + {1000 * cost.per_position:.1f} ms "
+                  "per row", file=sys.stderr)
     prompt_ids = loaded.tokenizer(prompt)["input_ids"]
     request = GenerationRequest(
         prompt_ids=prompt_ids, max_tokens=args.max_tokens, prediction=prediction,

@@ -61,7 +61,7 @@ def run(args: argparse.Namespace) -> int:
         prefill_chunk=args.prefill_chunk, host=args.host,
         allowed_hosts=tuple(h.strip() for h in args.allowed_hosts.split(",") if h.strip()),
         metrics_public=args.metrics_public, dtype=args.dtype, quantize=args.quantize,
-        fp32_head=args.fp32_head, kernels=args.kernels,
+        fp32_head=args.fp32_head, kernels=args.kernels, draft_model=args.draft_model,
         draft_cache_scope=args.draft_cache_scope, draft_cache_tokens=args.draft_cache_tokens,
         grammar_warmup=not args.no_grammar_warmup,
     )

@@ -220,6 +220,9 @@ class DraftOption:
     run: float | None
     available: int  # tokens it can propose
     calibration: float = 1.0  # realised over expected yield of its weighed drafts so far
+    # A source that drafts with passes of its own (the draft model): their cost, one pass per
+    # drafted position, shared by every request drafting from it in the step; None: free.
+    pass_cost: PassCostModel | None = None
 
     def expected(self, length: int) -> float:
         """Mean tokens of a round drafting ``length`` of its tokens (1: plain decoding)."""
@@ -246,13 +249,16 @@ def choose_drafts(options: list[list[DraftOption]], step_cost, extra_costs: list
     ``options[i]``: the sources request i may draft from; ``step_cost(drafted)``: what the step
     costs with ``drafted`` draft positions in all (the engine: one batched pass; an upstream:
     an echo request, or a plain token for none); ``extra_costs[i]``: a per-request cost on top
-    (the sampling verify), or None. Maximises the step's expected tokens per unit of cost by
-    coordinate ascent from "no drafts", so the result is never worse than plain decoding of the
-    same requests by the verifier's own estimate.
+    (the sampling verify), or None. A source with a ``pass_cost`` (the draft model) adds its own
+    passes: as many as the longest draft taken from it, each over the requests still drafting
+    (``DraftPasses``). Maximises the step's expected tokens per unit of cost by coordinate ascent
+    from "no drafts", so the result is never worse than plain decoding of the same requests by
+    the verifier's own estimate.
     """
     count = len(options)
     extra_costs = extra_costs or [None] * count
     chosen: list[tuple[DraftOption | None, int]] = [(None, 0)] * count
+    passes = DraftPasses() if any(o.pass_cost is not None for opts in options for o in opts) else None
 
     def extra(i: int, length: int) -> float:
         return extra_costs[i].cost(length) if extra_costs[i] is not None else 0.0
@@ -270,14 +276,18 @@ def choose_drafts(options: list[list[DraftOption]], step_cost, extra_costs: list
             base_tokens = tokens - yield_of(option, length)
             base_drafted = drafted - length
             base_extras = extras - extra(i, length)
+            if passes is not None:
+                passes.leave_out(chosen, i)
             best = (option, length)
-            best_rate = tokens / (step_cost(drafted) + extras)
+            best_rate = tokens / (step_cost(drafted) + extras + (passes.cost(option, length) if passes else 0.0))
             for candidate in options[i]:
                 for n in candidate_lengths(candidate.available):
                     if max_drafted is not None and base_drafted + n > max_drafted:
                         break
-                    rate = ((base_tokens + yield_of(candidate, n))
-                            / (step_cost(base_drafted + n) + base_extras + extra(i, n)))
+                    cost = step_cost(base_drafted + n) + base_extras + extra(i, n)
+                    if passes is not None:
+                        cost += passes.cost(candidate, n)
+                    rate = (base_tokens + yield_of(candidate, n)) / cost
                     if rate > best_rate * (1 + 1e-9):
                         best, best_rate = (candidate, n), rate
             if best != chosen[i]:
@@ -290,3 +300,29 @@ def choose_drafts(options: list[list[DraftOption]], step_cost, extra_costs: list
             break
     return [(option.source, length) if option is not None and length > 0 else (None, 0)
             for option, length in chosen]
+
+
+class DraftPasses:
+    """The cost of the step's draft-model passes while one request's choice is varied: a source
+    with a pass cost ``fixed + per_position * n`` runs one pass per drafted position, the j-th
+    over the requests drafting at least j tokens from it, which sums to
+    ``fixed * longest + per_position * total``."""
+
+    def __init__(self):
+        self.others: dict[str, tuple[PassCostModel, int, int]] = {}
+
+    def leave_out(self, chosen: list[tuple[DraftOption | None, int]], index: int) -> None:
+        """Every other request's draws on each costed source: (cost, longest, total)."""
+        self.others = {}
+        for j, (option, length) in enumerate(chosen):
+            if j != index and option is not None and option.pass_cost is not None and length > 0:
+                cost, longest, total = self.others.get(option.source, (option.pass_cost, 0, 0))
+                self.others[option.source] = (cost, max(longest, length), total + length)
+
+    def cost(self, option: DraftOption | None, length: int) -> float:
+        """Every costed source's passes with this request drafting ``length`` from ``option``."""
+        spans = dict(self.others)
+        if option is not None and option.pass_cost is not None and length > 0:
+            cost, longest, total = spans.get(option.source, (option.pass_cost, 0, 0))
+            spans[option.source] = (cost, max(longest, length), total + length)
+        return sum(c.fixed * longest + c.per_position * total for c, longest, total in spans.values())

@@ -6,6 +6,11 @@ Each source answers three calls:
 - ``agreement_run()``: for how many tokens in a row the source has agreed with the output
   (its own evidence for the next proposal), or None when it keeps no such count.
 
+A source that runs a model of its own (``draft_model.DraftModelSource``) cannot propose before it
+is chosen, its drafts cost passes: it sets ``drafts_when_chosen``, says what it could draft
+(``available(limit)``) and what its passes cost (``pass_cost``), and its tokens arrive once the
+step's drafts are chosen (``Speculation.offer``).
+
 Sources never need to be right: the target checks every token. They only need to be right often
 and cheap to ask.
 """

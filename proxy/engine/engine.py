@@ -32,7 +32,6 @@ a step are chosen together from the fitted cost of a pass over all its positions
 
 from __future__ import annotations
 
-import contextlib
 import time
 from typing import Callable
 
@@ -48,8 +47,10 @@ from foretell.proxy.engine.draft_length import (
 from foretell.proxy.engine.grammar import MaskJob, mask_rows
 from foretell.proxy.engine.invariant_linear import Int8DynamicLinear
 from foretell.proxy.engine.kernel_choice import AttentionShape, choose_kernels
-from foretell.proxy.engine.kv_cache import FULL, SLIDING, CacheFullError, PagedKVCache, SequenceBlocks
-from foretell.proxy.engine.precision import default_fp32_head, describe, head_rows, rescore_in_fp32
+from foretell.proxy.engine.draft_model import DraftModel
+from foretell.proxy.engine.forward import forward_pass
+from foretell.proxy.engine.kv_cache import CacheFullError, PagedKVCache, SequenceBlocks
+from foretell.proxy.engine.precision import default_fp32_head, describe, head_rows
 from foretell.proxy.engine.prompt_logprob_cache import PromptLogprobCache
 from foretell.proxy.engine.sampling import SpeculativeSampler
 from foretell.proxy.engine.verify import VerifyRows, verify_step
@@ -62,8 +63,6 @@ __all__ = ["CacheFullError", "GenerationRequest", "GenerationResult", "Generatio
 
 # Drafted positions one pass may verify in all: bounds the [rows, V] logits (1 MB a row at V=262k).
 DEFAULT_MAX_DRAFT_POSITIONS = 512
-# Up to this many logit rows the output head is taken vocabulary-major (see the function below).
-VOCABULARY_MAJOR_MAX_ROWS = 32
 
 
 def token_logprobs(logits: torch.Tensor, tokens: list[int], top: int) -> list[TokenLogprob]:
@@ -87,14 +86,17 @@ class SpeculativeEngine:
                  prefill_chunk: int = PREFILL_CHUNK, max_sequences: int = MAX_RUNNING,
                  max_draft_positions: int = DEFAULT_MAX_DRAFT_POSITIONS,
                  dtype: torch.dtype | None = None, fp32_head: bool | None = None,
-                 kernels: str | None = None, draft_cache=None):
+                 kernels: str | None = None, draft_cache=None, draft_model=None,
+                 draft_model_name: str = "draft"):
         """``dtype`` casts ``model`` in place (None: as loaded, see ``model_loader.load_model``
         for --dtype and --quantize); ``fp32_head`` scores each row's leading tokens in float32
         over a bf16/fp16 head (None: on for such a head, ``precision.default_fp32_head``);
         ``kernels`` is auto, triton or reference (None: ``FORETELL_KERNELS``, else auto; see
         ``kernel_choice.py``): Triton kernels are checked against their references here.
         ``draft_cache``: a ``draft_cache.DraftCache`` that requests with a ``draft_cache_scope``
-        draft from and feed (None: no drafts across requests)."""
+        draft from and feed (None: no drafts across requests). ``draft_model``: a smaller model with
+        the same tokenizer (``draft_model.load_draft_model``) drafting for requests beside the
+        other sources, ``draft_model_name`` what ``/health`` calls it (None: no draft model)."""
         if prefill_chunk < 1 or kv_cache_tokens < block_size:
             raise ValueError("prefill_chunk must be >= 1 and kv_cache_tokens >= block_size")
         if dtype is not None:
@@ -125,6 +127,11 @@ class SpeculativeEngine:
         self.cache.batch_invariant = self.batch_invariant and self.kernels.paged_attention is None
         self.prompt_logprob_cache = PromptLogprobCache(max_positions=kv_cache_tokens)
         self.draft_cache = draft_cache
+        self.draft_model = None
+        if draft_model is not None:
+            self.draft_model = DraftModel(draft_model, draft_model_name, model.config.vocab_size,
+                                          kv_cache_tokens=kv_cache_tokens, block_size=block_size,
+                                          sliding_tokens=sliding_tokens, kernels=kernels)
 
     @property
     def precision(self) -> str:
@@ -165,6 +172,11 @@ class SpeculativeEngine:
         if blocks is None:
             return None
         seq = Sequence(request, max_tokens, self.tokenizer, self.device, self.eos_token_ids, blocks, self.draft_cache)
+        if self.draft_model is not None and seq.wants_draft_model:
+            source = self.draft_model.source(seq.prompt, positions, max_query,
+                                            seq.sampler.seed if seq.sampler is not None else None)
+            if source is not None:  # else the draft's cache is full now: it runs without
+                seq.speculation.add_source(source)
         if request.prompt_logprobs is None:
             seq.stats.cached_tokens = self.cache.match_prefix(blocks, seq.prompt)
         else:  # a cached prefix serves only as far as its prompt logprobs are known
@@ -228,7 +240,7 @@ class SpeculativeEngine:
                 updates.append(SequenceUpdate(seq, [], "", [], error=error))
                 row += len(seq.draft) + 1
                 continue
-            verifying.append((seq, chunk, VerifyRows(row, seq.draft, seq.sampler)))
+            verifying.append((seq, chunk, VerifyRows(row, seq.draft, seq.sampler, seq.draft_probs)))
             row += len(seq.draft) + 1
         outcomes = verify_step(self.kernels, logits, [entry for _, _, entry in verifying])
         for (seq, chunk, entry), outcome in zip(verifying, outcomes):
@@ -273,36 +285,25 @@ class SpeculativeEngine:
         # whatever else is in flight: it drafts by its own history against the fixed prior cost
         # (the start-up figure), never by the load or the online fit.
         alone = self.cost.prior + self.sampling_cost
+        choices = []  # (sequence, source, length)
         for seq in verifying:
             if seq.sampler is not None:
                 source, length = choose_step_drafts([seq.speculation.draft_options()], 1, alone)[0]
-                fixed += _set_draft(seq, source, length)
+                choices.append((seq, source, length))
+                fixed += length
         greedy = [seq for seq in verifying if seq.sampler is None]
-        choices = choose_step_drafts([seq.speculation.draft_options() for seq in greedy], fixed, self.pass_cost,
-                                     max_positions=fixed + self.max_draft_positions)
-        for seq, (source, length) in zip(greedy, choices):
+        chosen = choose_step_drafts([seq.speculation.draft_options() for seq in greedy], fixed, self.pass_cost,
+                                    max_positions=fixed + self.max_draft_positions)
+        choices += [(seq, source, length) for seq, (source, length) in zip(greedy, chosen)]
+        if self.draft_model is not None:  # the draft model's chosen drafts, and its prefill
+            self.draft_model.run(plan, choices)
+        for seq, source, length in choices:
             _set_draft(seq, source, length)
         return plan
 
     def _forward(self, feeds: list[tuple[SequenceBlocks, list[int], int | None]]) -> torch.Tensor:
-        """One pass over ``feeds``: (blocks, tokens written after the committed length, first
-        token whose logits are needed or None). Returns those logits [rows, V], in feed order."""
-        ids, positions, keep = [], [], []
-        for blocks, tokens, logits_from in feeds:
-            if logits_from is not None:
-                keep.extend(range(len(ids) + logits_from, len(ids) + len(tokens)))
-            ids.extend(tokens)
-            positions.extend(range(blocks.committed, blocks.committed + len(tokens)))
-        self.cache.plan([(blocks, len(tokens)) for blocks, tokens, _ in feeds])
-        with self.cache.attached(self.model), _output_head(self.model, self.fp32_head):
-            out = self.model(
-                input_ids=torch.tensor([ids], device=self.device),  # [1, T]
-                position_ids=torch.tensor([positions], device=self.device),  # [1, T]
-                attention_mask={FULL: None, SLIDING: None},  # the paged attention masks itself
-                cache=self.cache, use_cache=True,
-                logits_to_keep=torch.tensor(keep, dtype=torch.long, device=self.device),
-            )
-        return out.logits[0]  # [rows, V]
+        """One target pass over ``feeds`` (``forward.forward_pass``): their logits [rows, V]."""
+        return forward_pass(self.model, self.cache, feeds, self.fp32_head)
 
     # ---- one request alone -----------------------------------------------------------------------
 
@@ -412,57 +413,10 @@ def _apply_masks(seq: Sequence, rows: torch.Tensor, allowed, unmasked: dict) -> 
 def _set_draft(seq: Sequence, source: str | None, length: int) -> int:
     """Set the round's draft, cut before the first token its grammar forbids (it would be
     rejected there: no position is spent on it); its length."""
+    length = min(length, len(seq.speculation.proposals.get(source, ()))) if source is not None else 0
     seq.speculation.set_draft(source, length)
     if seq.grammar is not None and seq.draft:
         allowed = seq.grammar.allowed(seq.draft)
         if allowed < len(seq.draft):
             seq.speculation.set_draft(source, allowed)
     return len(seq.draft)
-
-
-@contextlib.contextmanager
-def _output_head(model, fp32_head: bool):
-    """Compute the output head for one pass, always returning float32 logits.
-
-    - fp32 weights, a few rows: the product is taken vocabulary-major (``weight @ hidden.T``).
-      With a 262k vocabulary the head is most of a pass on a CPU, and for a few rows (a batch
-      of decoding sequences, a short draft) the BLAS library's kernel for ``hidden @ weight.T``
-      is up to twice as slow as the same product taken vocabulary-major
-      (``benchmarks/pass_cost.py``); from a few dozen rows on the two are alike, and the usual
-      kernel is kept. One row gives the same floats either way; a few rows may differ in the
-      last bits, as any change of batch shape does. (In bf16 the usual kernel is faster.)
-    - a bf16/fp16 head with ``fp32_head``: the head runs at its own precision and the tokens
-      that could win each row are scored again in float32 (``rescore_in_fp32``), from its
-      weight rows (an unquantized or int8 head).
-    - an int8 x int8 head (``invariant_linear.py``) with ``fp32_head``: the same, within the proven
-      bound of its integer product (weights' and activations' rounding both).
-    - anything else: the head's own forward, upcast."""
-    head = model.get_output_embeddings()
-    if head is None:
-        yield
-        return
-    plain = type(head) is torch.nn.Linear and type(head.weight) is torch.nn.Parameter
-    rows_of = head_rows(head) if fp32_head else None
-
-    def forward(hidden: torch.Tensor) -> torch.Tensor:  # [..., d] -> [..., V]
-        rows = hidden.reshape(-1, hidden.shape[-1])  # [n, d]
-        if isinstance(head, Int8DynamicLinear):
-            logits = head.product(rows)  # [n, V] float32
-            if rows_of is not None:
-                logits = rescore_in_fp32(rows, rows_of, head.bias, logits,
-                                         head.error_bound(rows, head.last_residual_norm))
-        elif plain and head.weight.dtype == torch.float32 and 1 < rows.shape[0] <= VOCABULARY_MAJOR_MAX_ROWS:
-            logits = (head.weight @ rows.t()).t().contiguous()  # [V, n] -> [n, V]
-            if head.bias is not None:
-                logits = logits + head.bias
-        else:
-            logits = type(head).forward(head, rows)  # [n, V]
-            if rows_of is not None and logits.dtype in (torch.bfloat16, torch.float16):
-                logits = rescore_in_fp32(rows, rows_of, head.bias, logits)
-        return logits.float().reshape(*hidden.shape[:-1], logits.shape[-1])
-
-    head.forward = forward
-    try:
-        yield
-    finally:
-        del head.forward  # the class's own forward again

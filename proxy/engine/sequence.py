@@ -54,6 +54,9 @@ class GenerationRequest:
     # The grammar the output must follow (``grammar.Grammar``: structured output), its own
     # copy; None: free text.
     grammar: Grammar | None = None
+    # Drafts from the engine's draft model (``draft_model.py``): None means "where the request
+    # brings no prediction" (a prediction drafts better, and the draft would prefill for nothing).
+    draft_model: bool | None = None
 
 
 @dataclass
@@ -142,6 +145,19 @@ class Sequence:
     def draft(self) -> list:
         """The draft chosen for this round (``set_draft``), verified after the pending token."""
         return self.speculation.draft
+
+    @property
+    def wants_draft_model(self) -> bool:
+        wanted = self.request.draft_model
+        return wanted if wanted is not None else not self.request.prediction
+
+    @property
+    def draft_probs(self):
+        """The q rows [k, V] the round's draft was drawn from (the draft model sampling), else
+        None: drafts copied from text, point masses."""
+        source = self.speculation.source(self.speculation.draft_source) if self.speculation.draft_source else None
+        probs = getattr(source, "draft_probs", None)
+        return None if probs is None else probs[:len(self.draft)]
 
     @property
     def uncached_prompt(self) -> int:

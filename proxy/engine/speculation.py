@@ -173,9 +173,21 @@ class Speculation:
             limit = min(self.max_draft, self.room - 1)  # a round yields draft + 1 at most
         self.proposals = {s.name: s.propose(limit) for s in self.sources}
         self.draft_source, self.draft, self.draft_expected = None, [], None
-        return [DraftOption(s.name, self.estimates[s.name].rate, s.agreement_run(), len(self.proposals[s.name]),
-                            self.calibration[s.name])
+        return [DraftOption(s.name, self.estimates[s.name].rate, s.agreement_run(), self._available(s, limit),
+                            self.calibration[s.name], getattr(s, "pass_cost", None))
                 for s in self.sources]
+
+    def _available(self, source, limit: int) -> int:
+        """Tokens a source can draft: its proposal's, or for one that drafts once chosen (the
+        draft model: ``drafts_when_chosen``) what it could draft now."""
+        if getattr(source, "drafts_when_chosen", False):
+            return source.available(limit)
+        return len(self.proposals[source.name])
+
+    def offer(self, source: str, tokens: list) -> None:
+        """The proposal of a source that drafts once chosen, drafted after ``draft_options``
+        (before ``set_draft``): scored like any other."""
+        self.proposals[source] = tokens
 
     def set_draft(self, source: str | None, length: int, expected: float | None = None) -> None:
         """The draft to verify: ``length`` tokens of ``source``'s proposal (``expected``: the

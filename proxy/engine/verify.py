@@ -26,6 +26,9 @@ class VerifyRows:
     first_row: int  # its first row in the pass's logits
     draft: list[int]
     sampler: SpeculativeSampler | None  # None: greedy
+    # The draft distribution q [k, V] each draft token was drawn from (a draft model sampling);
+    # None: point masses (drafts copied from text).
+    draft_probs: torch.Tensor | None = None
 
 
 Outcome = tuple[int, list[int]] | Exception  # (accepted drafts, new tokens), or what failed
@@ -92,7 +95,15 @@ def _launch_sampled(kernels, logits, entries):
         uniform.append(draws[0])
         noise.append(draws[1])
         row += k + 1
-    return kernels.rejection_sample(torch.cat(probs), drafts, cu, torch.cat(uniform), torch.stack(noise))
+    q = None
+    if any(e.draft_probs is not None for e in entries):  # point-mass drafts as one-hot rows beside them
+        vocab = rows.shape[-1]
+        q = torch.cat([e.draft_probs.float() if e.draft_probs is not None
+                       else torch.nn.functional.one_hot(torch.tensor(e.draft, dtype=torch.long, device=rows.device),
+                                                        vocab).float()
+                       for e in entries])  # [N, V]
+    inputs = (torch.cat(probs), drafts, cu, torch.cat(uniform), torch.stack(noise))
+    return kernels.rejection_sample(*inputs) if q is None else kernels.rejection_sample(*inputs, q)
 
 
 def _read_back(indices, entries, parts, outcomes) -> None:

@@ -38,6 +38,9 @@ async def generate(request: Request, server: ServerState, body: dict, schema):
     is_chat = isinstance(parsed, ChatCompletionRequest)
     path = "/chat/completions" if is_chat else "/completions"
     if not route.local:
+        if planned.draft_model:
+            raise APIError(400, "speculation.draft_model drafts for the local model only; "
+                           f"{parsed.model!r} is served upstream", param="speculation.draft_model")
         upstream = server.settings.routes.upstreams[route.upstream]
 
         async def forward_here():

@@ -20,6 +20,8 @@ class LocalModel:
         self.precision = scheduler.engine.precision  # e.g. bfloat16+fp32-head, shown by /health
         self.kernels = scheduler.engine.kernels.describe()  # which run Triton, which fell back
         self.batch_invariant = scheduler.engine.batch_invariant  # one text per request, whatever runs
+        drafter = scheduler.engine.draft_model
+        self.draft_model = drafter.name if drafter is not None else None  # e.g. self:int8, shown by /health
         from foretell.proxy.engine.kernel_timing import describe_cpu
 
         self.cpu = describe_cpu()  # the CPU's model and the features its kernels were chosen for
@@ -67,6 +69,11 @@ def default_loader(settings: ServerSettings):
 
         loaded = load_model(settings.model, dtype=settings.dtype, quantize=settings.quantize,
                             fp32_head=settings.fp32_head)
+        draft = None
+        if settings.draft_model:
+            from foretell.proxy.engine.draft_model import load_draft_model
+
+            draft = load_draft_model(settings.draft_model, loaded)
         draft_cache = None
         if settings.draft_cache_scope != "off":
             from foretell.proxy.engine.draft_cache import DraftCache
@@ -78,7 +85,8 @@ def default_loader(settings: ServerSettings):
         engine = SpeculativeEngine(loaded.model, loaded.tokenizer, kv_cache_tokens=settings.kv_cache_tokens,
                                    prefill_chunk=settings.prefill_chunk, max_sequences=settings.max_running,
                                    fp32_head=settings.fp32_head, kernels=settings.kernels,
-                                   draft_cache=draft_cache)
+                                   draft_cache=draft_cache, draft_model=draft and draft.model,
+                                   draft_model_name=settings.draft_model or "draft")
         from foretell.proxy.engine.kernel_timing import cpu_features
 
         log.info("engine precision: %s (batch invariant: %s); kernels: %s; CPU features: %s",
@@ -86,6 +94,10 @@ def default_loader(settings: ServerSettings):
                  ", ".join(engine.kernels.triton) or "torch references", ", ".join(cpu_features()) or "-")
         if settings.calibrate:  # from the calibration cache when this machine measured it before
             calibrate_with_cache(engine, loaded.source, recalibrate=settings.recalibrate)
+            if engine.draft_model is not None:
+                cost = engine.draft_model.calibrate()
+                log.info("draft model %s: pass cost %.0f ms + %.1f ms per row", settings.draft_model,
+                         1000 * cost.fixed, 1000 * cost.per_position)
         name = settings.served_model_name or loaded.name
 
         def record(result) -> None:

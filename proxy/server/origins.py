@@ -1,6 +1,6 @@
 """Which draft source wrote each character of a stream: the ``report_origins`` extension.
 
-The engine reports an origin per *token* (``"prediction"``, ``"prompt_lookup"``, ``"suffix_cache"``,
+The engine reports an origin per *token* (``"prediction"``, ``"prompt_lookup"``, ``"suffix_cache"``, ``"draft_model"``,
 or None for the target's own), but streams *text*, and the two do not line up: the detokenizer
 holds back an unfinished character (byte-fallback tokens), stop strings hold back a possible
 prefix, and a chunk may end in the middle of a token's text. ``OriginSpans`` keeps a queue of

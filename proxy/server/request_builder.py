@@ -31,6 +31,7 @@ class RequestPlan:
     prediction: str | None
     prompt_lookup: bool | None  # None: as the fallback when a prediction is given, else off
     draft_cache: bool | None  # False: the request opted out of the draft cache; None: as the server says
+    draft_model: bool | None  # drafts from the server's draft model; None: without a prediction
     max_draft: int | None  # tokens drafted per round at most; None: the verifier's default
     report_origins: bool  # the stream's per-chunk origins (origins.py)
     include_usage: bool  # the stream ends with a usage chunk
@@ -62,6 +63,7 @@ def plan(parsed, settings) -> RequestPlan:
         prediction=prediction,
         prompt_lookup=speculation.prompt_lookup if speculation else None,
         draft_cache=speculation.draft_cache if speculation else None,
+        draft_model=speculation.draft_model if speculation else None,
         max_draft=speculation.max_draft if speculation else None,
         report_origins=bool(speculation and speculation.report_origins),
         include_usage=bool(parsed.stream_options and parsed.stream_options.include_usage),
@@ -108,6 +110,9 @@ def engine_requests(parsed, plan: RequestPlan, prompt_ids: list[int], local,
                        code="context_length_exceeded")
     if parsed.stream and parsed.n > 1:
         raise APIError(400, "n > 1 is not supported with stream", param="n")
+    if plan.draft_model and local.draft_model is None:
+        raise APIError(400, "speculation.draft_model: this server runs no draft model (start it with "
+                       "--draft-model)", param="speculation.draft_model")
     first = GenerationRequest(
         prompt_ids=prompt_ids, max_tokens=tokens, prediction=plan.prediction, prompt_lookup=plan.prompt_lookup,
         prediction_encoding=prediction_encoding,
@@ -120,7 +125,7 @@ def engine_requests(parsed, plan: RequestPlan, prompt_ids: list[int], local,
         # A seeded sampled request drafts from itself alone: its random draws follow its draft
         # lengths, and its seed must replay whatever the cache holds by then.
         draft_cache_scope=None if parsed.seed is not None and (parsed.temperature or 0) > 0 else draft_cache_scope,
-        grammar=grammar,
+        grammar=grammar, draft_model=plan.draft_model,
     )
     # n choices are sibling sequences sharing the prompt's blocks; a seeded request's further
     # choices take the next seeds (modulo 2**64), so they differ yet replay.

@@ -86,11 +86,14 @@ class Speculation(_Lenient):
     ``prompt_lookup`` unset means: on as the fallback when a prediction is given, else off.
     ``draft_cache``: false keeps the request out of the draft cache of earlier answers (it neither
     drafts from it nor adds its answer); unset or true: as the server's ``--draft-cache-scope``.
+    ``draft_model``: true drafts from the server's ``--draft-model`` even beside a prediction,
+    false never; unset: where the request brings no prediction (400 when true and there is none).
     ``report_origins`` (streams only) adds a ``foretell`` field to each chunk: its text in runs
     by origin (see ``origins.py``)."""
 
     prompt_lookup: StrictBool | None = None
     draft_cache: StrictBool | None = None
+    draft_model: StrictBool | None = None
     max_draft: StrictInt | None = Field(default=None, ge=1, le=512)
     report_origins: StrictBool | None = None
 

@@ -36,6 +36,8 @@ class ServerSettings:
     fp32_head: bool | None = None  # None: precision.default_fp32_head
     # Triton or the torch references for attention and verification (engine/kernel_choice.py).
     kernels: str | None = None  # None: FORETELL_KERNELS, else auto
+    # The draft model (engine/draft_model.py): a path, self:int8 or self:int4; None: none.
+    draft_model: str | None = None
     # The draft cache of earlier answers: whose answers a request drafts from (draft_scope.py:
     # key, user, global or off) and how many output tokens it holds, all scopes together.
     draft_cache_scope: str = DRAFT_CACHE_SCOPE

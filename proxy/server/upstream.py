@@ -175,13 +175,18 @@ VERIFY_MODES = ("off", "echo", "auto")
 
 
 def _local_precision(model: str, spec: dict) -> tuple[tuple[str, object], ...]:
-    """A route's dtype / quantize / fp32_head, checked: they apply to the local model only."""
+    """A route's dtype / quantize / fp32_head / kernels / draft_model, checked: they apply to the
+    local model only."""
     given = [(key, spec[key]) for key in PRECISION_KEYS if key in spec]
     if given and not spec.get("local", False):
         raise ValueError(f"model {model!r}: {', '.join(k for k, _ in given)} apply to a local model "
                          "(local = true) only")
     for key, value in given:
         option = PRECISION_OPTIONS[key]
+        if option.kind == "text":
+            if not isinstance(value, str) or not value.strip():
+                raise ValueError(f"model {model!r}: {key} must be a non-empty string, got {value!r}")
+            continue
         choices = option.choices if option.kind == "choice" else (True, False)
         if not any(type(value) is type(choice) and value == choice for choice in choices):  # 1 is no True
             raise ValueError(f"model {model!r}: {key} must be one of "

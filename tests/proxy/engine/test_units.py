@@ -173,7 +173,7 @@ def test_prediction_usage(prediction, completion, accepted, rejected):
 
 
 def test_vocabulary_major_output_head_equals_the_linear_layer_and_is_restored():
-    from foretell.proxy.engine.engine import VOCABULARY_MAJOR_MAX_ROWS, _output_head
+    from foretell.proxy.engine.forward import VOCABULARY_MAJOR_MAX_ROWS, _output_head
 
     class WithHead(torch.nn.Module):
         def __init__(self, bias: bool):
@@ -198,7 +198,7 @@ def test_vocabulary_major_output_head_equals_the_linear_layer_and_is_restored():
 
 
 def test_output_head_rescores_a_bf16_head_in_fp32_and_upcasts_a_quantized_one():
-    from foretell.proxy.engine.engine import _output_head
+    from foretell.proxy.engine.forward import _output_head
     from foretell.proxy.engine.precision import Int8WeightOnlyLinear
 
     class WithHead(torch.nn.Module):
