@@ -54,8 +54,9 @@ def add_parser(commands) -> None:
     edit.add_argument("--color", choices=CHOICES, default="auto",
                       help="colour the printed file by token origin, as the server reports it: green "
                            "from the prediction, cyan from prompt lookup, magenta from the draft cache "
-                           "of earlier answers, plain the model's own (default: auto, when stdout "
-                           "is a terminal and NO_COLOR is unset; not with --diff or --write)")
+                           "of earlier answers, yellow from a server's draft model, plain the model's "
+                           "own (default: auto, when stdout is a terminal and NO_COLOR is unset; not "
+                           "with --diff or --write)")
     edit.add_argument("--timeout", type=seconds, default=None, metavar="S",
                       help="seconds the whole edit may take, from connecting to the last token "
                            "(default: no limit; each network wait is still limited to 600 s, "

@@ -32,7 +32,7 @@ import torch
 
 from foretell.proxy.engine.draft_length import DEFAULT_PASS_COST, OnlinePassCost, PassCostModel
 from foretell.proxy.engine.draft_sources import common_prefix_length
-from foretell.proxy.engine.forward import forward_pass
+from foretell.proxy.engine.forward import forward_pass, measure_pass_cost
 from foretell.proxy.engine.kernel_choice import AttentionShape, choose_kernels
 from foretell.proxy.engine.kv_cache import PagedKVCache, SequenceBlocks
 from foretell.proxy.engine.sampling import target_probs
@@ -200,22 +200,7 @@ class DraftModel:
     @torch.inference_mode()
     def calibrate(self, context_tokens: int = 256, positions=(1, 5, 17)) -> PassCostModel:
         """Measure a draft pass's cost by its rows (a second or so); the online fit's prior."""
-        blocks = self.cache.reserve(context_tokens + max(positions) + 1, max(context_tokens, max(positions)))
-        if blocks is None:
-            raise ValueError("the draft model's KV cache is too small to calibrate")
-        vocab = min(1000, self.vocab_size)
-        try:
-            forward_pass(self.model, self.cache, [(blocks, torch.randint(10, vocab, (context_tokens,)).tolist(), None)])
-            blocks.committed = context_tokens
-
-            def forward(n: int) -> None:  # n rows after the context, never committed
-                forward_pass(self.model, self.cache, [(blocks, torch.randint(0, vocab, (n,)).tolist(), 0)])
-                if self.device.type == "cuda":
-                    torch.cuda.synchronize()
-
-            measured = PassCostModel.measure(forward, positions=positions)
-        finally:
-            self.cache.free(blocks)
+        measured = measure_pass_cost(self.model, self.cache, positions, context_tokens)
         self.cost.reset(measured)
         return measured
 

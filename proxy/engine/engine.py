@@ -48,7 +48,7 @@ from foretell.proxy.engine.grammar import MaskJob, mask_rows
 from foretell.proxy.engine.invariant_linear import Int8DynamicLinear
 from foretell.proxy.engine.kernel_choice import AttentionShape, choose_kernels
 from foretell.proxy.engine.draft_model import DraftModel
-from foretell.proxy.engine.forward import forward_pass
+from foretell.proxy.engine.forward import forward_pass, measure_pass_cost
 from foretell.proxy.engine.kv_cache import CacheFullError, PagedKVCache, SequenceBlocks
 from foretell.proxy.engine.precision import default_fp32_head, describe, head_rows
 from foretell.proxy.engine.prompt_logprob_cache import PromptLogprobCache
@@ -346,23 +346,7 @@ class SpeculativeEngine:
     def calibrate(self, context_tokens: int = 256, positions=(1, 17, 65)) -> PassCostModel:
         """Measure this model's pass cost on this machine (about a second on a 2-core CPU); the
         figure becomes the prior of the online fit, which then follows the passes actually run."""
-        blocks = self.cache.reserve(context_tokens + max(positions) + 1, max(context_tokens, max(positions)))
-        if blocks is None:
-            raise CacheFullError("the KV cache is too small to calibrate")
-        vocab = min(1000, self.model.config.vocab_size)
-        try:
-            prompt = torch.randint(min(10, vocab - 1), vocab, (context_tokens,)).tolist()
-            self._forward([(blocks, prompt, None)])
-            blocks.committed = context_tokens
-
-            def forward(n: int) -> None:  # written after the context, never committed
-                self._forward([(blocks, torch.randint(0, vocab, (n,)).tolist(), 0)])
-                if self.device.type == "cuda":
-                    torch.cuda.synchronize()
-
-            measured = PassCostModel.measure(forward, positions=positions)
-        finally:
-            self.cache.free(blocks)
+        measured = measure_pass_cost(self.model, self.cache, positions, context_tokens, self.fp32_head)
         self.cost.reset(measured)
 
         # Random logits and drafts made once, outside the timing: only the verify is measured.

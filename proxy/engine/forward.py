@@ -12,8 +12,9 @@ import contextlib
 
 import torch
 
+from foretell.proxy.engine.draft_length import PassCostModel
 from foretell.proxy.engine.invariant_linear import Int8DynamicLinear
-from foretell.proxy.engine.kv_cache import FULL, SLIDING, PagedKVCache, SequenceBlocks
+from foretell.proxy.engine.kv_cache import FULL, SLIDING, CacheFullError, PagedKVCache, SequenceBlocks
 from foretell.proxy.engine.precision import head_rows, rescore_in_fp32
 
 # Up to this many logit rows the output head is taken vocabulary-major (see ``_output_head``).
@@ -40,6 +41,29 @@ def forward_pass(model, cache: PagedKVCache, feeds: list[tuple[SequenceBlocks, l
             logits_to_keep=torch.tensor(keep, dtype=torch.long, device=device),
         )
     return out.logits[0]  # [rows, V]
+
+
+def measure_pass_cost(model, cache: PagedKVCache, positions, context_tokens: int = 256,
+                      fp32_head: bool = False) -> PassCostModel:
+    """Time passes of each of ``positions`` new positions (logits for all of them) after a random
+    context of ``context_tokens``, and fit the line (``PassCostModel.measure``)."""
+    blocks = cache.reserve(context_tokens + max(positions) + 1, max(context_tokens, max(positions)))
+    if blocks is None:
+        raise CacheFullError("the KV cache is too small to calibrate")
+    vocab = min(1000, model.config.vocab_size)
+    try:
+        prompt = torch.randint(min(10, vocab - 1), vocab, (context_tokens,)).tolist()
+        forward_pass(model, cache, [(blocks, prompt, None)], fp32_head)
+        blocks.committed = context_tokens
+
+        def forward(n: int) -> None:  # written after the context, never committed
+            forward_pass(model, cache, [(blocks, torch.randint(0, vocab, (n,)).tolist(), 0)], fp32_head)
+            if cache.device.type == "cuda":
+                torch.cuda.synchronize()
+
+        return PassCostModel.measure(forward, positions=positions)
+    finally:
+        cache.free(blocks)
 
 
 @contextlib.contextmanager

@@ -40,7 +40,8 @@ def test_help_names_every_path_served_and_every_origin_colour():
     edit = " ".join(run("edit", "--help").stdout.split())
     colours = {"prediction": ("\x1b[32m", "green from the prediction"),
                "prompt_lookup": ("\x1b[36m", "cyan from prompt lookup"),
-               "suffix_cache": ("\x1b[35m", "magenta from the draft cache")}
+               "suffix_cache": ("\x1b[35m", "magenta from the draft cache"),
+               "draft_model": ("\x1b[33m", "yellow from a server's draft model")}
     assert set(colours) == set(STYLES)  # a new origin needs its colour in the help too
     for origin, (style, words) in colours.items():
         assert STYLES[origin] == style and words in edit, origin

@@ -30,6 +30,11 @@ pytestmark = pytest.mark.ray
 # one running and one more), so placement decides what stays cached: a replica that sees all four
 # prefixes evicts them in turn, one that sees two keeps them.
 KV_CACHE_TOKENS = 320
+# Ray's memory monitor kills its workers when the whole machine passes 95% of its memory, and the
+# other pytest worker's models count towards that: in CI it killed the replicas and the controller
+# in turn until the start-up timed out. Off for this test (the kernel's OOM killer still guards the
+# machine); the test is about routing, not about Ray's memory policy.
+RAY_TEST_ENVIRONMENT = {"RAY_memory_monitor_refresh_ms": "0"}
 PROMPT_WORDS = "alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu nu xi pi rho sigma tau".split()
 
 
@@ -42,7 +47,7 @@ def cluster(tmp_path_factory, tiny_model_folder, stub_upstream):
                       '[models.up-ok]\nupstream = "stub"\n')
     with live_server(tiny_model_folder, folder / "serve.log", "--served-model-name", "tiny", "--replicas", "2",
                      "--kv-cache-tokens", str(KV_CACHE_TOKENS), "--config", str(config),
-                     timeout=300) as server:
+                     env=RAY_TEST_ENVIRONMENT, timeout=300) as server:
         wait_for_replicas(server.base, 2, timeout=120)
         yield server
 

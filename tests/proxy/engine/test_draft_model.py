@@ -100,7 +100,7 @@ def test_a_self_int8_draft_of_the_embedded_model_keeps_float32_greedy(embedded):
     draft = load_draft_model("self:int8", embedded)
     assert draft.model.get_input_embeddings() is embedded.model.get_input_embeddings()  # shared table
     engine = force_drafting(SpeculativeEngine(embedded.model, embedded.tokenizer, draft_model=draft.model,
-                                              draft_model_name="self:int8"))
+                                              draft_model_name="self:int8", kv_cache_tokens=4096))
     ids = embedded.tokenizer("Speculative decoding makes a large language model faster by")["input_ids"]
     result = engine.generate(GenerationRequest(prompt_ids=ids, max_tokens=24))
     assert result.token_ids == greedy_reference(embedded.model, ids, 24)
