@@ -20,7 +20,23 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 # (tests/proxy/engine/test_precision.py covers bf16, the default on a CPU with native bf16, and int8/int4).
 os.environ.setdefault("FORETELL_DTYPE", "float32")
 
+import ctypes  # noqa: E402
+import gc  # noqa: E402
+
 import pytest  # noqa: E402
+
+
+@pytest.fixture(scope="module", autouse=True)
+def release_memory_after_each_module():
+    """After a test file's own servers and models are torn down, give their memory back to the
+    system (glibc keeps freed arenas otherwise): a worker runs dozens of files, and two workers
+    that only grew came close to this machine's 24 GiB."""
+    yield
+    gc.collect()
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc
+        pass
 
 
 @pytest.fixture(scope="session")
