@@ -19,11 +19,12 @@ plain, the draft model's rounds / drafted /
 accepted, acceptance per draft position, and whether each greedy text equals plain's.
 
 Edit workload (``--edits N``): the edit benchmark's files (``edit_benchmark.py``), the file
-before the edit as prediction, prompt lookup on, on an engine without and with the draft model.
+before the edit as prediction, prompt lookup on, on an engine without and with the draft model
+(the three engines in turn on every file, medians over files).
 
     python benchmarks/draft_model_benchmark.py [--dtype auto] [--quantize auto]
         [--draft-model self:int8] [--tokens 96] [--temperatures 0.7]
-        [--edits 3] [--modes plain,lookup,self-draft,forced] [--concurrency 1,8]
+        [--edits 3] [--modes plain,lookup,self-draft,forced] [--concurrency 1,8] [--no-free-text]
 """
 
 from __future__ import annotations
@@ -164,26 +165,29 @@ def edits(loaded, draft, args) -> None:
     print("\n## Edits (prediction + prompt lookup), draft model off and on\n")
     print("| draft model | median tok/s (wall, prefill included) | ratio | draft rounds | texts equal |")
     print("|---|---|---|---|---|")
-    rates, texts = {}, {}
     labels = {None: "off", False: "on, requests as sent (a prediction: not offered)",
               True: "on, offered beside the prediction (speculation.draft_model: true)"}
-    for with_draft in (None, False, True):
-        engine = make_engine(loaded, draft, with_draft is not None)
-        runs = []
-        for before, prompt, length in files:
+    modes = list(labels)
+    engines = {mode: make_engine(loaded, draft, mode is not None) for mode in modes}
+    runs = {mode: [] for mode in modes}
+    # Each file in every mode in turn, the order rotating file by file, so that the machine's
+    # drift over the run falls on every mode alike; one warm-up edit per engine first.
+    for index, (before, prompt, length) in enumerate([files[0]] + files):
+        for mode in modes[index % len(modes):] + modes[:index % len(modes)]:
             request = GenerationRequest(prompt_ids=tokenizer(prompt)["input_ids"], max_tokens=length,
                                         prediction=before, prompt_lookup=True,
-                                        draft_model=True if with_draft else None)  # None: the server's default
+                                        draft_model=True if mode else None)  # None: the server's default
             started = time.perf_counter()
-            result = engine.generate(request)
-            runs.append((result, result.stats.completion_tokens / (time.perf_counter() - started)))
-        rates[with_draft] = statistics.median(rate for _, rate in runs)
-        texts[with_draft] = [r.token_ids for r, _ in runs]
-        rounds = sum(r.stats.per_source[DRAFT_SOURCE].rounds for r, _ in runs if DRAFT_SOURCE in r.stats.per_source)
-        equal = sum(a == b for a, b in zip(texts[with_draft], texts[None]))
-        print(f"| {labels[with_draft]} | {rates[with_draft]:.1f} | {rates[with_draft] / rates[None]:.2f}x | "
-              f"{rounds if with_draft is not None else '-'} | {equal}/{len(files)} |", flush=True)
-        del engine
+            result = engines[mode].generate(request)
+            if index:  # not the warm-up
+                runs[mode].append((result, result.stats.completion_tokens / (time.perf_counter() - started)))
+    plain_rate = statistics.median(rate for _, rate in runs[None])
+    for mode in modes:
+        rate = statistics.median(rate for _, rate in runs[mode])
+        rounds = sum(r.stats.per_source[DRAFT_SOURCE].rounds for r, _ in runs[mode] if DRAFT_SOURCE in r.stats.per_source)
+        equal = sum(a.token_ids == b.token_ids for (a, _), (b, _) in zip(runs[mode], runs[None]))
+        print(f"| {labels[mode]} | {rate:.1f} | {rate / plain_rate:.2f}x | "
+              f"{rounds if mode is not None else '-'} | {equal}/{len(files)} |", flush=True)
 
 
 def main() -> int:
@@ -196,6 +200,7 @@ def main() -> int:
     parser.add_argument("--edits", type=int, default=3, help="edit files (0: skip the edit table)")
     parser.add_argument("--modes", default=",".join(MODES), help="free-text modes, plain first")
     parser.add_argument("--concurrency", default="1,8", help="requests in flight (at most 8)")
+    parser.add_argument("--no-free-text", action="store_true", help="only the edit table")
     args = parser.parse_args()
     temperatures = [0.0] + [float(t) for t in args.temperatures.split(",") if t.strip()]
     args.modes = [m for m in args.modes.split(",") if m]
@@ -211,7 +216,8 @@ def main() -> int:
     print(f"target: {args.dtype}/{args.quantize} -> {getattr(loaded.model, 'foretell_quantization', 'none')}, "
           f"pass {1000 * target.fixed:.0f} ms + {1000 * target.per_position:.1f} ms/position; "
           f"draft {args.draft_model}: pass {1000 * drafting.fixed:.0f} ms + {1000 * drafting.per_position:.1f} ms/row")
-    free_text(loaded, draft, args, temperatures)
+    if not args.no_free_text:
+        free_text(loaded, draft, args, temperatures)
     if args.edits:
         edits(loaded, draft, args)
     return 0
