@@ -12,7 +12,7 @@ time to first token (median and p90), wall time. On a machine whose replicas sha
         [--kv-cache-tokens 65536 2048] [--lines 60]
 
 Each configuration starts ``foretell serve --replicas N --no-calibrate`` (a local Ray instance) on
-the embedded model at the default precision (tests/e2e/live_server.py), and stops it before the
+the embedded model at the default precision (harness/live_server.py), and stops it before the
 next.
 """
 
@@ -35,7 +35,7 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 from edit_benchmark import STDLIB_FILES  # noqa: E402
 from load_benchmark import one_request, percentile  # noqa: E402
 
-from tests.e2e.live_server import live_server  # noqa: E402
+from harness.live_server import live_server  # noqa: E402
 
 CONFIGURATIONS = [(1, "affinity"), (2, "round-robin"), (2, "affinity")]
 

@@ -3,9 +3,9 @@ the server's resident memory sampled every minute.
 
 The traffic, from a few concurrent clients, all on 127.0.0.1: streamed and plain completions
 and chats (unicode, stop strings, predictions, prompt lookup, sampled ``n > 1``), clients that
-disconnect after the first event, the bad inputs of the probe table (``tests/e2e/probes.py``,
+disconnect after the first event, the bad inputs of the probe table (``harness/probes.py``,
 but for the two rows that depend on its tiny model and on having no upstream), and
-forwarded requests to a stub upstream (``tests/proxy/server/upstream_stub.py``) that answers, fails with
+forwarded requests to a stub upstream (``harness/upstream_stub.py``) that answers, fails with
 a 500, or dies mid-stream. Every tenth plain stream is checked against the same request not
 streamed (greedy: the texts must be equal).
 
@@ -41,9 +41,9 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 from edit_benchmark import STDLIB_FILES, copy_prompt, edit  # noqa: E402
 
 from foretell.proxy.engine.model_loader import resolve_model_folder  # noqa: E402
-from tests.e2e.live_server import live_server  # noqa: E402
-from tests.e2e.probes import API_KEY, LIMIT, MODEL, PROBES  # noqa: E402
-from tests.proxy.server.upstream_stub import StubServer  # noqa: E402
+from harness.live_server import live_server  # noqa: E402
+from harness.probes import API_KEY, LIMIT, MODEL, PROBES  # noqa: E402
+from harness.upstream_stub import StubServer  # noqa: E402
 
 HEADERS = {"authorization": f"Bearer {API_KEY}", "content-type": "application/json"}
 # Probe rows whose answer depends on the probe's own server: the tiny model's short context (4,096

@@ -99,8 +99,8 @@ def tiny_model_folder(tmp_path_factory, tiny_model, tokenizer):
 
 @pytest.fixture(scope="session")
 def stub_upstream():
-    """A stub OpenAI-compatible upstream on 127.0.0.1 (tests/proxy/server/upstream_stub.py)."""
-    from tests.proxy.server.upstream_stub import StubServer
+    """A stub OpenAI-compatible upstream on 127.0.0.1 (harness/upstream_stub.py)."""
+    from harness.upstream_stub import StubServer
 
     with StubServer() as stub:
         yield stub

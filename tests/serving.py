@@ -5,7 +5,7 @@ for a ``foretell serve`` process (torch, transformers and a model load each time
 ``tiny_app(folder, ...)`` is ``foretell serve --model FOLDER --no-calibrate`` in float32 (the
 suite's exactness oracle, as tests/conftest.py sets for commands) with ``ServerSettings`` fields
 for the options; ``route_table(toml)`` is ``--config``. ``foretell serve`` as a process, for what
-only a process shows (its stderr, its memory, an event loop to itself), is tests/e2e/live_server.py."""
+only a process shows (its stderr, its memory, an event loop to itself), is harness/live_server.py."""
 
 from __future__ import annotations
 
@@ -110,7 +110,7 @@ def serve(app, name: str = "app", *, healthy: bool = True):
 class LogRecords(logging.Handler):
     """The log of an in-process server, as ``foretell serve`` would write it: every record that
     reaches the root logger while capturing (foretell's at INFO and up, as the command logs),
-    but those of the stub upstream's threads (tests/proxy/server/upstream_stub.py), which share
+    but those of the stub upstream's threads (harness/upstream_stub.py), which share
     uvicorn's logger names."""
 
     def __init__(self):

@@ -1,5 +1,5 @@
 """End-to-end fixtures: ``foretell serve`` as a process, started as a user starts it
-(tests/e2e/live_server.py), for what only a process shows: its stderr, its memory, an event loop
+(harness/live_server.py), for what only a process shows: its stderr, its memory, an event loop
 that nothing else in the process competes with, the browser's page, the SDK and the examples
 against the real model."""
 
@@ -7,14 +7,14 @@ from __future__ import annotations
 
 import pytest
 
-from tests.e2e.live_server import live_server
+from harness.live_server import live_server
+from harness.probes import API_KEY as KEY
+from harness.probes import LIMIT, PREDICTION_LIMIT
 
-# The tiny model's serve process (serve_process): one key, one upstream key, a 4 MB body limit.
-KEY = "sk-e2e-serve-3141"
+# The tiny model's serve process (serve_process): one key (the probe table's), one upstream key,
+# a 4 MB body limit.
 WRONG_KEY = "sk-wrong-key-2718"
 UPSTREAM_KEY = "upstream-e2e-secret-1618"
-LIMIT = 4_000_000  # --max-body-bytes: room for a 3.5 MB prompt
-PREDICTION_LIMIT = 5000  # --max-prediction-chars
 
 
 @pytest.fixture(scope="session")
@@ -22,7 +22,7 @@ def serve_process(tmp_path_factory, tiny_model_folder):
     """``foretell serve`` on the tiny model ("tiny") with ``--log-format json``, an API key, and
     routes "up-ok" (a stub upstream with a key from the environment) and "up-down" (nothing
     listening); its log is a file (``server.log()``)."""
-    from tests.proxy.server.upstream_stub import StubServer, free_port
+    from harness.upstream_stub import StubServer, free_port
 
     folder = tmp_path_factory.mktemp("serve-process")
     config = folder / "foretell.toml"

@@ -16,7 +16,7 @@ import httpx
 import pytest
 
 from foretell.sdk.edit import build_edit_prompt, extract_edited_text
-from tests.e2e.live_server import live_server
+from harness.live_server import live_server
 from tests.helpers import GREEDY_PROMPT, GREEDY_TOKENS
 from tests.serving import serve, tiny_app
 

@@ -3,7 +3,7 @@ tiny-model server. Every answer must be a 4xx in OpenAI's envelope (with ``error
 ``x-request-id``) or a correct 200, and ``/health`` must answer all along (within 100 ms nearly
 every time, never as late as a blocked event loop).
 
-The table is tests/e2e/probes.py: add a row there whenever a new kind of bad input turns up."""
+The table is harness/probes.py: add a row there whenever a new kind of bad input turns up."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ import time
 import httpx
 import pytest
 
-from tests.e2e.probes import API_KEY, C, CHAT, OK, PROBES
+from harness.probes import API_KEY, C, CHAT, OK, PROBES
 
 
 @pytest.fixture(scope="module")

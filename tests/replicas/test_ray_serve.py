@@ -21,7 +21,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.e2e.live_server import live_server
+from harness.live_server import live_server
 from tests.serving import serve, tiny_app
 
 pytestmark = pytest.mark.ray

@@ -1,6 +1,6 @@
 """The server's hardening (issue 10), over real HTTP: the server on the tiny model in process
 (tests/serving.py) and a stub upstream that misbehaves on purpose
-(tests/proxy/server/upstream_stub.py); plus the pure pieces (redaction across chunks, the Host
+(harness/upstream_stub.py); plus the pure pieces (redaction across chunks, the Host
 check, the sampling filters, prediction usage). What only a process shows (its memory under a
 chunked body, /health while a huge prompt is handled) is tests/e2e/test_serve_process.py."""
 
@@ -22,7 +22,7 @@ from foretell.proxy.server import upstream as upstream_module
 from foretell.proxy.server.guard import KNOWN_PATHS, allowed_hosts, host_allowed
 from foretell.proxy.server.redact import Redactor
 from tests.helpers import assert_envelope
-from tests.proxy.server.upstream_stub import StubServer
+from harness.upstream_stub import StubServer
 from tests.serving import LogRecords, route_table, serve, tiny_app
 
 API_KEY = "sk-hardening"

@@ -1,7 +1,7 @@
 """A limit means the same on every route: a prediction over ``max_prediction_chars`` is a 413
 (``prediction_too_large``) whether the model runs locally, is verified remotely by an upstream
 (``verify_predictions``) or is forwarded plainly, and never reaches an upstream. One in-process
-server on the tiny model, routing two models to the stub upstream (``upstream_stub.py``)."""
+server on the tiny model, routing two models to the stub upstream (``harness/upstream_stub.py``)."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from foretell.proxy.engine.scheduler import Scheduler
 from foretell.proxy.server import ServerSettings, create_app
 from foretell.proxy.server.app import LocalModel
 from foretell.proxy.server.upstream import ModelRoute, RouteTable, Upstream
-from tests.proxy.server.upstream_stub import ECHO_GOLD, ECHO_PROMPT, StubServer
+from harness.upstream_stub import ECHO_GOLD, ECHO_PROMPT, StubServer
 
 LIMIT = 200
 WITHIN = ECHO_GOLD[:LIMIT]

@@ -4,7 +4,7 @@
 Two servers on a tiny model, in process on real ports (tests/serving.py): the *upstream*, and the *proxy*, whose TOML
 routes ``tiny`` to the upstream with ``verify_predictions = "echo"`` and the model's tokenizer
 (token-id alignment), and ``tiny-text`` with ``"auto"`` and no tokenizer (text alignment); plus
-the stub upstream's echo model (``upstream_stub.py``) for echo answers that are wrong.
+the stub upstream's echo model (``harness/upstream_stub.py``) for echo answers that are wrong.
 
 The tiny model writes only whole lowercase words (every other embedding row is zeroed), so its
 greedy output is the tokenizer's own split of its text and remote verification can follow it
@@ -21,7 +21,7 @@ import httpx
 import pytest
 import torch
 
-from tests.proxy.server.upstream_stub import ECHO_GOLD, ECHO_PROMPT, StubServer, echo_greedy
+from harness.upstream_stub import ECHO_GOLD, ECHO_PROMPT, StubServer, echo_greedy
 from tests.serving import LogRecords, route_table, serve, tiny_app
 
 PROMPT = "the quick brown fox jumps over the lazy dog and"

@@ -13,7 +13,7 @@ import openai
 import pytest
 
 from foretell.proxy.engine import GenerationRequest, SpeculativeEngine
-from tests.proxy.server.upstream_stub import free_port
+from harness.upstream_stub import free_port
 from tests.serving import route_table, serve, tiny_app
 
 API_KEY = "sk-test-key"

@@ -14,7 +14,7 @@ import pytest
 from foretell.proxy.server.api_error import APIError
 from foretell.proxy.server.unsupported_fields import UNSUPPORTED, first_unsupported, refuse_unsupported
 from tests.helpers import assert_envelope
-from tests.proxy.server.upstream_stub import ECHO_GOLD, ECHO_PROMPT
+from harness.upstream_stub import ECHO_GOLD, ECHO_PROMPT
 from tests.serving import route_table, serve, tiny_app
 
 MODEL = "tiny"

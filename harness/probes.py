@@ -1,7 +1,7 @@
 """The probe's table of bad (and a few good but unusual) requests, each with the status it must
-get from the tiny-model serve process (tests/e2e/conftest.py). tests/e2e/test_probe.py sends
-them all; benchmarks/soak.py mixes most of them into its traffic, and imports them from here
-because a benchmark should not import a test module.
+get from the tiny-model serve process (tests/e2e/conftest.py starts it with the key and limits
+below). tests/e2e/test_probe.py sends them all; benchmarks/soak.py mixes most of them into its
+traffic.
 
 Add a row whenever a new kind of bad input turns up."""
 
@@ -10,12 +10,11 @@ from __future__ import annotations
 import base64
 import json
 
-from tests.e2e.conftest import KEY
-from tests.e2e.conftest import LIMIT as SERVE_LIMIT
-
-API_KEY = KEY
+# The probe's serve process: its API key, served model name and limits.
+API_KEY = "sk-e2e-serve-3141"
 MODEL = "tiny"
-LIMIT = SERVE_LIMIT  # --max-body-bytes; --max-prediction-chars is 5000
+LIMIT = 4_000_000  # --max-body-bytes: room for a 3.5 MB prompt
+PREDICTION_LIMIT = 5000  # --max-prediction-chars
 C, CHAT = "/v1/completions", "/v1/chat/completions"
 OK = 200
 

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import httpx
 
-from tests.proxy.server.upstream_stub import free_port
+from harness.upstream_stub import free_port
 
 
 @dataclass
