@@ -26,6 +26,21 @@ import gc  # noqa: E402
 import pytest  # noqa: E402
 
 
+def pytest_collection_modifyitems(config, items):
+    """scripts/test.sh's two phases: FORETELL_TEST_PHASE=not-ray keeps every test but those
+    marked ``ray``, =ray only those (unset: all). A deselection, not a ``-m``, so that a caller's
+    own ``-m`` still applies (pytest keeps only the last ``-m`` it is given)."""
+    phase = os.environ.get("FORETELL_TEST_PHASE")
+    if phase not in ("ray", "not-ray"):
+        return
+    keep, drop = [], []
+    for item in items:
+        (keep if (item.get_closest_marker("ray") is not None) == (phase == "ray") else drop).append(item)
+    if drop:
+        config.hook.pytest_deselected(items=drop)
+        items[:] = keep
+
+
 @pytest.fixture(scope="module", autouse=True)
 def release_memory_after_each_module():
     """After a test file's own servers and models are torn down, give their memory back to the
