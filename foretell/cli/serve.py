@@ -36,6 +36,7 @@ def add_parser(commands) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    replicas = _replica_options(args)  # before the imports (seconds): a wrong combination exits at once
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     with needs_proxy_extra("serve"):
         import uvicorn
@@ -69,7 +70,6 @@ def run(args: argparse.Namespace) -> int:
 
     from foretell.proxy.server.logs import configure_logging
 
-    replicas = _replica_options(args)
     configure_logging(args.log_level, args.log_format)
     if replicas is not None:
         import importlib.util
