@@ -26,6 +26,21 @@ import gc  # noqa: E402
 import pytest  # noqa: E402
 
 
+# The files holding the tests marked ``ray``: the Ray phase collects only these (collecting every
+# module costs ~7 s of imports); the other phase checks that no ``ray`` test lives elsewhere.
+RAY_TEST_FILES = ("replicas/test_ray_serve.py",)
+TESTS_ROOT = os.path.dirname(os.path.abspath(__file__))
+
+
+def pytest_ignore_collect(collection_path, config):
+    if os.environ.get("FORETELL_TEST_PHASE") != "ray" or collection_path.suffix != ".py":
+        return None
+    relative = os.path.relpath(collection_path, TESTS_ROOT).replace(os.sep, "/")
+    if collection_path.name.startswith("test_") and relative not in RAY_TEST_FILES:
+        return True
+    return None
+
+
 def pytest_collection_modifyitems(config, items):
     """scripts/test.sh's two phases: FORETELL_TEST_PHASE=not-ray keeps every test but those
     marked ``ray``, =ray only those (unset: all). A deselection, not a ``-m``, so that a caller's
@@ -33,6 +48,10 @@ def pytest_collection_modifyitems(config, items):
     phase = os.environ.get("FORETELL_TEST_PHASE")
     if phase not in ("ray", "not-ray"):
         return
+    elsewhere = sorted({item.nodeid.split("::")[0] for item in items if item.get_closest_marker("ray") is not None
+                        and os.path.relpath(item.path, TESTS_ROOT).replace(os.sep, "/") not in RAY_TEST_FILES})
+    if elsewhere:
+        raise pytest.UsageError(f"tests marked ray outside RAY_TEST_FILES (tests/conftest.py): {elsewhere}")
     keep, drop = [], []
     for item in items:
         (keep if (item.get_closest_marker("ray") is not None) == (phase == "ray") else drop).append(item)
