@@ -10,6 +10,7 @@ import sys
 from foretell.cli.arguments import (add_precision_options, needs_proxy_extra,
                                     positive_int, read_text, temperature_value, top_p_value)
 from foretell.origin_colors import CHOICES, legend, paint_spans, use_color
+from foretell.proxy.model_spec import model_kind
 
 
 def add_parser(commands) -> None:
@@ -92,6 +93,10 @@ def run(args: argparse.Namespace) -> int:
     if not prompt:
         raise SystemExit("foretell: the prompt file is empty")
 
+    try:
+        model_kind(args.model)  # a wrong --model exits now, not after the imports
+    except ValueError as error:
+        raise SystemExit(f"foretell: cannot load model: {error}") from None
     os.environ.setdefault("HF_HUB_OFFLINE", "1")  # never reach for a model hub at run time
     # The imports alone take seconds (torch, transformers): say something before them.
     print("foretell: loading the model...", file=sys.stderr, flush=True)

@@ -28,7 +28,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-EMBEDDED_MODEL_NAME = "gemma-3-270m"
+from foretell.proxy.model_spec import EMBEDDED_MODEL_NAME, model_kind
+
 MANIFEST_NAME = "foretell-cache.json"
 VERIFIED_NAME = "foretell-verified.json"
 _MANIFEST_VERSION = 1
@@ -235,18 +236,13 @@ def converted_folder_for_gguf(gguf_path: Path, sha256: str | None = None, dtype=
 
 
 def resolve_model_folder(model: str | None) -> tuple[str, Path]:
-    """Turn a model spec into (served name, local Hugging Face folder)."""
-    if model in (None, "", EMBEDDED_MODEL_NAME):
+    """Turn a model spec (``proxy/model_spec.py``) into (served name, local Hugging Face folder)."""
+    kind, path = model_kind(model)
+    if kind == "embedded":
         return EMBEDDED_MODEL_NAME, embedded_model_folder()
-    path = Path(model).expanduser()
-    if path.is_file() and path.suffix == ".gguf":
+    if kind == "gguf":
         return path.stem, converted_folder_for_gguf(path)
-    if path.is_dir() and (path / "config.json").is_file():
-        return path.name, path
-    raise ValueError(
-        f"model {model!r} is neither {EMBEDDED_MODEL_NAME!r}, a .gguf file, "
-        "nor a local Hugging Face model folder with a config.json"
-    )
+    return path.name, path
 
 
 def load_model(model: str | None = None, device: str | None = None, dtype=None,
