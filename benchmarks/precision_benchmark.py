@@ -221,17 +221,18 @@ def print_tables(rows: list, texts: dict, prompts) -> None:
               f"{statistics.median(r['tok_s'] for r in mine):.1f} | {speedup:.2f}x | "
               f"{own}/{len(files)} | {fp32} |")
     analysis = [r for r in rows if r.get("analysis")]
-    print("\nPlain against speculative decoding, rerun with logprobs (prompt cached for both): the "
-          "largest move of a chosen token's logprob over the positions where both agree, and the "
-          "texts that part, with the plain run's top-2 logit gap where they do.")
-    print("\n| engine | logprob move, median over requests | largest | texts that part | their gaps |")
-    print("|---|---|---|---|---|")
-    for engine in dict.fromkeys(r["engine"] for r in analysis):
-        mine = [r for r in analysis if r["engine"] == engine]
-        parted = [r for r in mine if r["first"] is not None]
-        gaps = ", ".join(f"{r['gap']:.3f} ({r['file']} {r['mode']} at {r['first']})" for r in parted) or "-"
-        print(f"| {engine} | {statistics.median(r['moved'] for r in mine):.3f} | "
-              f"{max(r['moved'] for r in mine):.3f} | {len(parted)}/{len(mine)} | {gaps} |")
+    if analysis:  # none under --no-analysis: no empty table
+        print("\nPlain against speculative decoding, rerun with logprobs (prompt cached for both): the "
+              "largest move of a chosen token's logprob over the positions where both agree, and the "
+              "texts that part, with the plain run's top-2 logit gap where they do.")
+        print("\n| engine | logprob move, median over requests | largest | texts that part | their gaps |")
+        print("|---|---|---|---|---|")
+        for engine in dict.fromkeys(r["engine"] for r in analysis):
+            mine = [r for r in analysis if r["engine"] == engine]
+            parted = [r for r in mine if r["first"] is not None]
+            gaps = ", ".join(f"{r['gap']:.3f} ({r['file']} {r['mode']} at {r['first']})" for r in parted) or "-"
+            print(f"| {engine} | {statistics.median(r['moved'] for r in mine):.3f} | "
+                  f"{max(r['moved'] for r in mine):.3f} | {len(parted)}/{len(mine)} | {gaps} |")
     if "--json" in sys.argv:
         print(json.dumps(rows))
 
