@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
-import time
 import types
 from pathlib import Path
 
@@ -28,9 +27,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
-from precision_benchmark import FORETELL_MODES, build_prompts  # noqa: E402
+from precision_benchmark import FORETELL_MODES, build_prompts, timed_on_a_fresh_engine  # noqa: E402
 
-from foretell.proxy.engine import GenerationRequest, SpeculativeEngine  # noqa: E402
+from foretell.proxy.engine import SpeculativeEngine  # noqa: E402
 from foretell.proxy.engine.kernel_timing import describe_cpu  # noqa: E402
 from foretell.proxy.engine.model_loader import load_model  # noqa: E402
 
@@ -64,13 +63,9 @@ def run_way(way: str, prompts, output_tokens: int, rows: int) -> dict:
     for file, before, ids in prompts:
         plain = None
         for mode in FORETELL_MODES:
-            engine = SpeculativeEngine(model, loaded.tokenizer)  # fresh: no prompt prefix cached
-            engine.cost.reset(prior)
-            request = GenerationRequest(prompt_ids=ids, max_tokens=output_tokens, prompt_lookup=mode != "plain",
-                                        prediction=before if mode == "pred+lookup" else None)
-            started = time.perf_counter()
-            result = engine.generate(request)
-            speeds[mode].append(len(result.token_ids) / (time.perf_counter() - started))
+            _, result, tok_s = timed_on_a_fresh_engine(model, loaded.tokenizer, prior, ids, mode, before,
+                                                       output_tokens)
+            speeds[mode].append(tok_s)
             plain = result.token_ids if mode == "plain" else plain
             equal[mode] += result.token_ids == plain
         print(f"  {way} {file:16s} " + "  ".join(f"{m} {speeds[m][-1]:6.1f}" for m in FORETELL_MODES),

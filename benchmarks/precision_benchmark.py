@@ -105,6 +105,20 @@ def weight_bytes(model) -> int:
     return total
 
 
+def timed_on_a_fresh_engine(model, tokenizer, prior, ids: list[int], mode: str, before: str,
+                            output_tokens: int, fp32_head=None):
+    """One request of ``mode`` (FORETELL_MODES; ``before`` is the prediction of pred+lookup) on a
+    fresh engine, as on a fresh server: no prompt prefix cached by the requests before it, the
+    calibrated pass cost ``prior`` carried over. Returns (the engine, the result, tok/s)."""
+    engine = SpeculativeEngine(model, tokenizer, fp32_head=fp32_head)
+    engine.cost.reset(prior)
+    request = GenerationRequest(prompt_ids=ids, max_tokens=output_tokens, prompt_lookup=mode != "plain",
+                                prediction=before if mode == "pred+lookup" else None)
+    started = time.perf_counter()
+    result = engine.generate(request)
+    return engine, result, len(result.token_ids) / (time.perf_counter() - started)
+
+
 def run_foretell(name: str, prompts, output_tokens: int, rows: list, texts: dict, analyse: bool) -> None:
     dtype, quantize, fp32_head = PRECISIONS[name]
     loaded = load_model(None, dtype=dtype, quantize=quantize, fp32_head=fp32_head)
@@ -115,20 +129,12 @@ def run_foretell(name: str, prompts, output_tokens: int, rows: list, texts: dict
         f"weights {size / 2**20:.0f} MiB")
     for file, before, ids in prompts:
         for mode in FORETELL_MODES:
-            # A fresh engine for every request, as a fresh server: no prompt prefix cached by
-            # the modes before it (the calibrated pass cost carried over).
             del engine
-            engine = SpeculativeEngine(loaded.model, loaded.tokenizer, fp32_head=fp32_head)
-            engine.cost.reset(prior)
-            request = GenerationRequest(prompt_ids=ids, max_tokens=output_tokens,
-                                        prediction=before if mode == "pred+lookup" else None,
-                                        prompt_lookup=mode != "plain")
-            started = time.perf_counter()
-            result = engine.generate(request)
-            seconds = time.perf_counter() - started
+            engine, result, tok_s = timed_on_a_fresh_engine(loaded.model, loaded.tokenizer, prior, ids, mode,
+                                                            before, output_tokens, fp32_head)
             texts[(f"foretell {name}", mode, file)] = result.token_ids
             rows.append({"engine": f"foretell {name}", "mode": mode, "file": file, "bytes": size,
-                         "tokens": len(result.token_ids), "tok_s": len(result.token_ids) / seconds})
+                         "tokens": len(result.token_ids), "tok_s": tok_s})
             log(f"  {file:16s} {mode:12s} {rows[-1]['tok_s']:6.1f} tok/s")
         if (dtype == "float32" and quantize == "none") or not analyse:
             continue  # float32's exactness is pinned against generate() by the tests
