@@ -35,17 +35,18 @@ ROW_GROUPS = (4, 8, 16, 32)  # candidates for the rows a product takes at once
 
 
 @functools.lru_cache(maxsize=None)
-def row_group(head_dim: int) -> int:
+def row_group(head_dim: int, dtype: torch.dtype = torch.float32) -> int:
     """The smallest group size whose whole multiples of rows give every row the same bits in
     both of the attention's products (scores [rows, d] x [d, C], values [rows, C] x [C, d]),
-    measured on random data of this head size; 64 if none of the candidates does."""
+    measured on random data of this head size and dtype (MKL's float32 and oneDNN's bf16 kernels
+    differ); 64 if none of the candidates does."""
     generator = torch.Generator().manual_seed(0)
-    keys = torch.randn(1, CHUNK * 2, head_dim, generator=generator)
-    values = torch.randn(2, CHUNK, head_dim, generator=generator)
+    keys = torch.randn(1, CHUNK * 2, head_dim, generator=generator).to(dtype)
+    values = torch.randn(2, CHUNK, head_dim, generator=generator).to(dtype)
     for group in ROW_GROUPS:
         most = 8 * group
-        queries = torch.randn(1, most, head_dim, generator=generator)
-        weights = torch.rand(2, most, CHUNK, generator=generator)
+        queries = torch.randn(1, most, head_dim, generator=generator).to(dtype)
+        weights = torch.rand(2, most, CHUNK, generator=generator).to(dtype)
         scores, mixed = torch.bmm(queries, keys.transpose(1, 2)), torch.bmm(weights, values)
         if all(torch.equal(torch.bmm(queries[:, :n], keys.transpose(1, 2)), scores[:, :n])
                and torch.equal(torch.bmm(weights[:, :n], values), mixed[:, :n])
@@ -64,7 +65,7 @@ def key_span(first: int, end: int) -> tuple[int, int]:
 def fixed_split_attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
                           visible: torch.Tensor, scale: float, group_rows: int | None = None) -> torch.Tensor:
     """query [heads, q, d]; keys, values [kv_heads, N, d] (N a multiple of CHUNK, positions from a
-    chunk boundary); visible [q, N] bool; ``group_rows``: ``row_group(d)`` unless given.
+    chunk boundary); visible [q, N] bool; ``group_rows``: ``row_group(d, dtype)`` unless given.
     Returns [q, heads, d]."""
     heads, q, d = query.shape
     kv_heads, n, _ = keys.shape
@@ -72,7 +73,7 @@ def fixed_split_attention(query: torch.Tensor, keys: torch.Tensor, values: torch
     chunks = n // CHUNK
     rows = group * q
     x = (query * scale).reshape(kv_heads, rows, d)  # [kv, group * q, d], rows (head, query)
-    step = group_rows or row_group(d)
+    step = group_rows or row_group(d, query.dtype)
     padded = -(-rows // step) * step
     if padded > rows:
         x = torch.cat([x, x.new_zeros(kv_heads, padded - rows, d)], dim=1)

@@ -260,7 +260,8 @@ def load_model(model: str | None = None, device: str | None = None, dtype=None,
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     from foretell.proxy.engine.precision import (
-        check_quantize, describe, quantize_weights, resolve_dtype, resolve_quantize)
+        check_quantize, cpu_has_native_bf16, describe, quantize_weights, resolve_dtype, resolve_quantize)
+    from foretell.proxy.engine.row_chunked_linear import chunk_linear_rows
 
     check_quantize(quantize)  # before the load, not after it
     name, folder = resolve_model_folder(model)
@@ -280,6 +281,8 @@ def load_model(model: str | None = None, device: str | None = None, dtype=None,
     target = AutoModelForCausalLM.from_pretrained(str(folder), dtype=dtype, local_files_only=True).to(device)
     target.eval()
     quantize_weights(target, quantize, fp32_head=bool(fp32_head))
+    if quantize == "none" and dtype == torch.bfloat16 and torch.device(device).type == "cpu" and cpu_has_native_bf16():
+        chunk_linear_rows(target)  # bf16 batch invariant too, where the check passes (row_chunked_linear.py)
     _log(f"loaded {name} from {folder} on {device} ({describe(dtype, quantize)}) "
          f"in {time.perf_counter() - started:.1f} s")
     return LoadedModel(model=target, tokenizer=tokenizer, name=name, source=folder)

@@ -11,9 +11,14 @@ again. What each choice promises (README, "What 'the same text' means"):
   attention's reductions in a fixed order (``invariant_attention.py``): a row's bits do not
   depend on the pass it is in, so speculative text equals this precision's plain text exactly,
   whatever else runs or is cached.
-- ``bfloat16`` / ``float16`` / int4 (and int8 without FBGEMM): speculative text equals the plain
-  decoding *of the same engine at the same precision*, except where the top two logits are within
-  that precision's rounding (a batched verify rounds differently from a one-token pass).
+- ``bfloat16`` on a CPU with native bf16 (AVX512-BF16, AMX): the same promise as int8's. Every
+  product runs in calls of at most a row count checked at load on the model's own weights, up to
+  which oneDNN rounds a row as it rounds it alone (``row_chunked_linear.py``), with the same
+  attention and the head rescored in float32.
+- ``bfloat16`` elsewhere (or where that check fails) / ``float16`` / int4 (and int8 without
+  FBGEMM): speculative text equals the plain decoding *of the same engine at the same precision*,
+  except where the top two logits are within that precision's rounding (a batched verify rounds
+  differently from a one-token pass).
 
 ``--quantize auto`` (the default) is int8 on a CPU where FBGEMM's int8 kernel measures faster
 than float32 on the model's output head (timed once per machine and cached), else none; ``--dtype
@@ -233,12 +238,13 @@ def head_rows(head) -> Callable[[torch.Tensor], torch.Tensor] | None:
     with int8 activations keeping its float rows), a function from row indices [c] to those
     weight rows in float32 [c, d]; else None."""
     from foretell.proxy.engine.invariant_linear import Int8DynamicLinear
+    from foretell.proxy.engine.row_chunked_linear import RowChunkedLinear
 
     if isinstance(head, Int8WeightOnlyLinear):
         return head.float_rows
     if isinstance(head, Int8DynamicLinear) and head.float_weight is not None:
         return head.float_rows
-    if type(head) is torch.nn.Linear and type(head.weight) is torch.nn.Parameter:
+    if type(head) in (torch.nn.Linear, RowChunkedLinear) and type(head.weight) is torch.nn.Parameter:
         return lambda rows: head.weight[rows].float()
     return None
 

@@ -16,17 +16,22 @@ import torch.nn.functional as F
 from foretell.proxy.engine import GenerationRequest, SpeculativeEngine
 from foretell.proxy.engine.invariant_attention import CHUNK, fixed_split_attention, key_span, row_group
 from foretell.proxy.engine.invariant_linear import Int8DynamicLinear, fbgemm_available, share_inputs
-from foretell.proxy.engine.precision import quantize_weights
+from foretell.proxy.engine.precision import cpu_has_native_bf16, quantize_weights
+from foretell.proxy.engine.row_chunked_linear import (
+    ROW_CANDIDATES, RowChunkedLinear, chunk_linear_rows, first_count_unlike_one_row, largest_alike_rows)
 
 needs_fbgemm = pytest.mark.skipif(not fbgemm_available(), reason="int8 x int8 needs FBGEMM (x86 torch)")
+needs_native_bf16 = pytest.mark.skipif(not cpu_has_native_bf16(),
+                                       reason="bf16 is batch invariant only on a CPU with native bf16")
 ROW_COUNTS = list(range(1, 65))
 
 
-def _rows_alone_equal_rows_together(layer, width: int, seed: int = 0) -> list[int]:
+def _rows_alone_equal_rows_together(layer, width: int, seed: int = 0, dtype=torch.float32) -> list[int]:
     """Row counts n in 1..64 at which some row of an n-row pass differs from that row alone."""
     generator = torch.Generator().manual_seed(seed)
     x = torch.randn(64, width, generator=generator)
     x[:, 3] *= 30  # an outlier channel, as real hidden states have
+    x = x.to(dtype)
     with torch.inference_mode():
         alone = torch.cat([layer(x[i:i + 1]) for i in range(64)])
         return [n for n in ROW_COUNTS if not torch.equal(layer(x[:n]), alone[:n])]
@@ -142,6 +147,43 @@ def test_the_head_error_bound_holds():
     assert float(limit.max()) < 0.25 * float(exact.abs().max())
 
 
+# ---- bf16 in calls of a checked row count -------------------------------------------------------
+
+@needs_native_bf16
+@pytest.mark.parametrize("width,out", [(640, 256), (1024, 640), (640, 2048), (2048, 640), (640, 32768)])
+def test_bf16_rows_in_checked_calls_are_invariant(width, out):
+    """The embedded model's shapes (the head's width, a slice of its rows): a row of a pass of
+    1..64 rows has the bits it has alone once the product runs in calls of the checked count
+    (on an AMX Xeon a plain bf16 product of 2048 x 640 or 640 x 1024 rounds otherwise from 33
+    rows)."""
+    torch.manual_seed(4)
+    linear = torch.nn.Linear(width, out, bias=False).to(torch.bfloat16)
+    rows = largest_alike_rows([linear])
+    assert rows in ROW_CANDIDATES
+    layer = RowChunkedLinear(linear, rows)
+    assert layer.weight is linear.weight
+    assert _rows_alone_equal_rows_together(layer, width, dtype=torch.bfloat16) == []
+
+
+def test_the_row_check_finds_a_kernel_that_rounds_by_row_count():
+    """float32's MKL product (with a bias) rounds a row otherwise beside a few others: the check
+    must say so, and never grant a row count at or past the first count that differs."""
+    torch.manual_seed(0)
+    linear = torch.nn.Linear(640, 300)
+    unlike = first_count_unlike_one_row(linear.weight.detach(), linear.bias, 32)
+    assert unlike is not None
+    rows = largest_alike_rows([linear])
+    assert rows is None or rows < unlike
+
+
+def test_a_model_fails_the_check_and_is_left_as_it_was(tiny_model):
+    """No bf16 layers (float32): nothing changes and the model is not called invariant."""
+    model = copy.deepcopy(tiny_model)
+    assert chunk_linear_rows(model) is None
+    assert not getattr(model, "foretell_batch_invariant", False)
+    assert not any(isinstance(m, RowChunkedLinear) for m in model.modules())
+
+
 # ---- attention ---------------------------------------------------------------------------------
 
 def _attend(query_positions, keys, values, queries, window=None):
@@ -189,15 +231,22 @@ def test_a_query_verified_among_others_computes_its_decoding_bits(heads, kv_head
 PROMPT = "def parse(line):\n    key, value = line.split('=')\n    return key.strip(), value\n"
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="module", params=["int8", "bfloat16"])
 def invariant_engine(request, tiny_model, tokenizer):
-    if not fbgemm_available():
-        pytest.skip("int8 x int8 needs FBGEMM (x86 torch)")
+    """The tiny model at each batch-invariant precision: int8 x int8, and bf16 in checked calls."""
     model = copy.deepcopy(tiny_model)
-    quantize_weights(model, "int8")
+    if request.param == "int8":
+        if not fbgemm_available():
+            pytest.skip("int8 x int8 needs FBGEMM (x86 torch)")
+        quantize_weights(model, "int8")
+    else:
+        if not cpu_has_native_bf16():
+            pytest.skip("bf16 is batch invariant only on a CPU with native bf16")
+        model.to(torch.bfloat16)
+        assert chunk_linear_rows(model) in ROW_CANDIDATES
     engine = SpeculativeEngine(model, tokenizer)
     assert engine.batch_invariant and engine.cache.batch_invariant
-    assert engine.precision == "float32/int8+fp32-head"
+    assert engine.precision == {"int8": "float32/int8+fp32-head", "bfloat16": "bfloat16+fp32-head"}[request.param]
     return engine
 
 
@@ -252,17 +301,21 @@ def test_the_same_bits_among_seven_others(invariant_engine, tokenizer):
     assert _same(result, alone)
 
 
-@needs_fbgemm
 @pytest.mark.embedded
-def test_embedded_model_at_the_default_gives_one_text(embedded_folder):
-    """The default precision on this CPU (auto: int8 here), on a real edit: plain, cached,
-    prompt lookup and the file before the edit as the prediction: one text, the same bits."""
+@pytest.mark.parametrize("dtype,quantize", [
+    pytest.param("auto", "int8", marks=needs_fbgemm, id="int8"),
+    pytest.param("bfloat16", "none", marks=needs_native_bf16, id="bfloat16")])
+def test_embedded_model_gives_one_text(embedded_folder, dtype, quantize):
+    """The default precision on an x86 CPU (int8 x int8), and bf16 where the CPU has it, on a
+    real edit: plain, cached, prompt lookup and the file before the edit as the prediction: one
+    text, the same bits."""
     from pathlib import Path
 
     from foretell.proxy.engine.model_loader import load_model
 
-    loaded = load_model(None, dtype="auto", quantize="int8")
+    loaded = load_model(None, dtype=dtype, quantize=quantize)
     engine = SpeculativeEngine(loaded.model, loaded.tokenizer)
+    assert engine.batch_invariant
     edit_dir = Path(__file__).resolve().parents[3] / "examples" / "edit"
     before = (edit_dir / "before.py").read_text()
     ids = loaded.tokenizer(before + "\n\n" + (edit_dir / "prompt.txt").read_text())["input_ids"]
