@@ -121,8 +121,9 @@ PRECISION_OPTIONS = _options(
     Option("dtype", "choice", None, "FORETELL_DTYPE", choices=DTYPE_CHOICES, in_config=True,
            help="weights' dtype: auto (default: float32 beside --quantize auto's int8, else bfloat16 on "
                 "CUDA and on a CPU with native bf16, else float32), float32 (text identical to plain greedy "
-                "decoding but at near ties; with --quantize auto it keeps float32 throughout), bfloat16 or "
-                "float16 (identical to this engine's own plain decoding except at near ties; see the README)"),
+                "decoding but at near ties; with --quantize auto it keeps float32 throughout), bfloat16 (on a CPU "
+                "with native bf16: one text per request, speculative text identical to its own plain text; "
+                "elsewhere identical to it except at near ties) or float16 (except at near ties; see the README)"),
     Option("fp32_head", "switch", None, "FORETELL_FP32_HEAD", env_form="=1 or 0", in_config=True,
            help="score each row's leading tokens in float32 over an approximate head (bf16/fp16 or int8), "
                 "so that rounding does not decide between them (default: on for int8, and for bf16/fp16 "
