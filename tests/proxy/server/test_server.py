@@ -517,7 +517,6 @@ def test_upstream_failures_map_to_openai_errors(server, model, status):
     assert error["message"] and UPSTREAM_KEY not in response.text
 
 
-
 def test_a_closed_app_gives_its_model_back(tiny_model_folder):
     """The server freezes what it loaded out of the garbage collector's passes (state.py); closing
     it must unfreeze them, or the model, held in reference cycles, outlives the app for the rest of
