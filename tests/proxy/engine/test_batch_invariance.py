@@ -303,13 +303,14 @@ def test_the_same_bits_among_seven_others(invariant_engine, tokenizer):
 
 @pytest.mark.embedded
 # The embedded model at bf16 is left out of the suite: a second real model loaded in a worker that
-# already holds the session's models ran the 24 GiB machine out of memory under two workers (the
-# kernel killed a worker and the run hung). bf16 is covered by the shape and tiny-model tests above.
+# already held the session's models (and, until ServerState.close unfroze them, every closed
+# server's) ran the 24 GiB machine out of memory under two workers. bf16 is covered by the shape
+# and tiny-model tests above.
 @pytest.mark.parametrize("dtype,quantize", [
     pytest.param("auto", "int8", marks=needs_fbgemm, id="int8")])
 def test_embedded_model_gives_one_text(embedded_folder, dtype, quantize):
-    """The default precision on an x86 CPU (int8 x int8) on a real edit: plain, cached, prompt lookup and the file before the edit as the prediction: one
-    text, the same bits."""
+    """The default precision on an x86 CPU (int8 x int8) on a real edit: plain, cached, prompt
+    lookup and the file before the edit as the prediction: one text, the same bits."""
     from pathlib import Path
 
     from foretell.proxy.engine.model_loader import load_model
