@@ -1,7 +1,9 @@
 """foretell.kernels: Triton kernels for the engine's step, each with a pure-torch reference.
 
 - ``paged_attention``: every sequence of a step attends over its paged KV cache in one launch;
-- ``greedy_verify`` and ``rejection_sample``: every sequence's draft verified in one launch.
+- ``greedy_verify`` and ``rejection_sample``: every sequence's draft verified in one launch;
+- ``row_attention``: the CPU's batch-invariant attention as a native loop (C++, built on the
+  user's machine), imported by the engine's cache, not re-exported here.
 
 The reference is both the CPU path and the test oracle for the kernel; ``launches`` counts the
 Triton launches (tests check one per layer, one per kind of verify).

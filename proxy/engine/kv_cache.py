@@ -40,6 +40,7 @@ import torch
 import torch.nn.functional as F
 
 from foretell.kernels.paged_attention import block_q_for, query_tiles
+from foretell.kernels.row_attention import HEAD_SIZE_STEP, native_row_attention
 from foretell.proxy.engine.invariant_attention import fixed_split_attention, key_span
 
 FULL, SLIDING = "full_attention", "sliding_attention"
@@ -140,9 +141,11 @@ class PagedKVCache:
         self.heads, self.kv_heads, self.head_dim = config.num_attention_heads, heads, head_dim
         # The ragged paged attention kernel, or None: the per-sequence loop (set by the engine).
         self.attention_kernel: Callable | None = None
-        # The loop attends in a fixed order (invariant_attention.py), set by the engine for a
-        # batch-invariant precision.
-        self.batch_invariant = False
+        # The loop attends in a fixed order, set by the engine for a batch-invariant precision:
+        # the native loop on a float32 CPU cache (foretell.kernels.row_attention), else the torch
+        # operations of invariant_attention.py.
+        self._batch_invariant = False
+        self.row_attention: Callable | None = None
         self.max_tokens = max_tokens
         blocks = {FULL: math.ceil(max_tokens / block_size)}
         if self.window is not None:
@@ -163,6 +166,17 @@ class PagedKVCache:
         self.layout: StepLayout | None = None
         self.hits = self.lookups = 0  # prompt tokens found in / looked up in the prefix cache
         self.evictions = 0  # prefix entries dropped to make room
+
+    @property
+    def batch_invariant(self) -> bool:
+        return self._batch_invariant
+
+    @batch_invariant.setter
+    def batch_invariant(self, on: bool) -> None:
+        self._batch_invariant = on
+        native = (on and self.dtype == torch.float32 and self.device.type == "cpu"
+                  and self.head_dim % HEAD_SIZE_STEP == 0)
+        self.row_attention = native_row_attention() if native else None
 
     # ---- capacity ------------------------------------------------------------------------
 
@@ -438,8 +452,13 @@ def paged_attention(module, query, key, value, attention_mask, dropout=0.0, scal
     if cache.batch_invariant:
         scale = scaling if scaling is not None else query.shape[-1] ** -0.5
         for i, slots in enumerate(layout.read_slots[group]):
-            out[0, starts[i]:starts[i + 1]] = fixed_split_attention(
-                query[0, :, starts[i]:starts[i + 1]], keys.index_select(1, slots), values.index_select(1, slots),
+            rows = slice(starts[i], starts[i + 1])
+            if cache.row_attention is not None:  # the keys read where they lie, no gather
+                cache.row_attention(query[0, :, rows], keys, values, slots, layout.masks[group][i], scale,
+                                    out=out[0, rows])  # [q, heads, head_dim]
+                continue
+            out[0, rows] = fixed_split_attention(
+                query[0, :, rows], keys.index_select(1, slots), values.index_select(1, slots),
                 layout.masks[group][i], scale)  # [q, heads, head_dim]
         return out, None
     for i, slots in enumerate(layout.read_slots[group]):
