@@ -13,7 +13,10 @@ To see what a change buys, run it beside an earlier commit, alternating rounds:
 (``invariant_linear.quantize_rows``, a dozen small operations), eager against ``torch.compile``
 (inductor, dynamic shapes) at 1, 17 and 65 rows, with the compile time and whether the bits agree.
 
-    python benchmarks/step_parts.py [--steps 60] [--dtype auto] [--quantize auto] [--try-compile]
+``--torch-attention`` times the batch-invariant attention as torch operations instead of the
+native loop (``foretell/kernels/row_attention.cpp``), to see what the loop buys.
+
+    python benchmarks/step_parts.py [--steps 60] [--dtype auto] [--quantize auto] [--try-compile] [--torch-attention]
 """
 
 from __future__ import annotations
@@ -114,12 +117,18 @@ def main() -> int:
     parser.add_argument("--dtype", default="auto")
     parser.add_argument("--quantize", default="auto")
     parser.add_argument("--try-compile", action="store_true")
+    parser.add_argument("--torch-attention", action="store_true",
+                        help="the batch-invariant attention as torch operations, not the native loop")
     args = parser.parse_args()
     loaded = load_model(None, dtype=args.dtype, quantize=args.quantize)
     engine = SpeculativeEngine(loaded.model, loaded.tokenizer)
+    if args.torch_attention:
+        engine.cache.row_attention = None
     prompt = loaded.tokenizer(PROMPT)["input_ids"]
     seq = engine.add(GenerationRequest(prompt_ids=prompt, max_tokens=2 * args.steps + 8, prompt_lookup=False))
-    print(f"precision {engine.precision}, {len(prompt)} prompt tokens, {torch.get_num_threads()} threads")
+    attention = "native loop" if engine.cache.row_attention is not None else "torch operations"
+    print(f"precision {engine.precision}, {len(prompt)} prompt tokens, {torch.get_num_threads()} threads, "
+          f"attention: {attention}")
     with torch.inference_mode():
         step_times(engine, seq, 5)  # the prefill and a warm-up
         median = statistics.median(step_times(engine, seq, args.steps))
