@@ -187,7 +187,8 @@ void row_attention(const at::Tensor& query, const at::Tensor& keys, const at::Te
         if (row_visible[j]) seen[m++] = slot_data[j];
       const float* src = q_data + h * q_head + r * q_row;
       for (int64_t i = 0; i < d; ++i) q[i] = src[i] * scale_f;
-      attend_row(q.data(), k, v, h / group, seen.data(), m, d, scores.data(), rows_of_v.data(), o_data + r * o_row + h * o_head);
+      attend_row(q.data(), k, v, h / group, seen.data(), m, d, scores.data(), rows_of_v.data(),
+                 o_data + r * o_row + h * o_head);
     }
   });
 }
