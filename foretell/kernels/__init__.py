@@ -2,8 +2,9 @@
 
 - ``paged_attention``: every sequence of a step attends over its paged KV cache in one launch;
 - ``greedy_verify`` and ``rejection_sample``: every sequence's draft verified in one launch;
-- ``row_attention``: the CPU's batch-invariant attention as a native loop (C++, built on the
-  user's machine), imported by the engine's cache, not re-exported here.
+- ``row_attention`` and ``int8_rows.cpp``: native CPU loops (C++, built on the user's machine by
+  ``cpu_native``) for the batch-invariant attention and the int8 layer's row quantization,
+  imported by the engine, not re-exported here.
 
 The reference is both the CPU path and the test oracle for the kernel; ``launches`` counts the
 Triton launches (tests check one per layer, one per kind of verify).

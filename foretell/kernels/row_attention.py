@@ -1,5 +1,5 @@
-"""Row-invariant attention over a paged KV pool on the CPU: a native loop (``row_attention.cpp``)
-with a pure-torch reference.
+"""Row-invariant attention over a paged KV pool on the CPU: a native loop (``row_attention.cpp``,
+built by ``cpu_native``) with a pure-torch reference.
 
 Why: the batch-invariant attention as torch operations (``proxy/engine/invariant_attention.py``)
 cost ~330 us a layer for one decoding row of the embedded model (a gather, pads, two batched
@@ -7,91 +7,22 @@ products, masks, per-chunk sums: mostly per-operation overhead), a sixth of a pl
 a 2-core CPU; with this loop the attention takes ~110 us a layer, Python included
 (``benchmarks/step_parts.py --torch-attention`` beside the default, docs/benchmarks.md). Each
 (head, query row) reads only its own visible keys, in slot order, with a fixed summation order,
-so a row's bits do not depend on the pass it is in.
-
-The extension is compiled once per source, torch, Python and CPU (``-march=native``) into the
-foretell cache folder (``$FORETELL_CACHE_DIR`` or ``~/.cache/foretell``, under ``native/``);
-``scripts/setup.sh`` builds it (``python -m foretell.kernels.row_attention``). Where it cannot be
-built (no C++ compiler), ``native_row_attention()`` returns None and says why once; the engine
-then keeps the torch operations.
+so a row's bits do not depend on the pass it is in. Where the loop cannot be built,
+``native_row_attention()`` returns None and the engine keeps the torch operations.
 """
 
 from __future__ import annotations
 
-import functools
-import hashlib
-import importlib.machinery
-import importlib.util
-import logging
-import os
-import platform
-import sys
-import time
-from pathlib import Path
-
 import torch
 
-SOURCE = Path(__file__).with_name("row_attention.cpp")
-CFLAGS = ["-O3", "-march=native", "-ffp-contract=off"]
+from foretell.kernels.cpu_native import load_native
+
 HEAD_SIZE_STEP = 16  # the loop takes head sizes in whole vectors of 16 floats
 
-log = logging.getLogger("foretell.kernels")
 
-
-def _cpu_identity() -> str:
-    """What -march=native compiles for: the CPU's model and flags."""
-    try:
-        lines = Path("/proc/cpuinfo").read_text().splitlines()
-    except OSError:
-        return platform.processor()
-    wanted = [line for line in lines if line.startswith(("model name", "flags"))][:2]
-    return "\n".join(wanted)
-
-
-def build_dir() -> Path:
-    key = hashlib.sha256("\n".join([SOURCE.read_text(), torch.__version__, sys.version, " ".join(CFLAGS),
-                                    _cpu_identity()]).encode()).hexdigest()[:16]
-    configured = os.environ.get("FORETELL_CACHE_DIR")
-    base = Path(configured) if configured else Path.home() / ".cache" / "foretell"
-    return base / "native" / f"row_attention-{key}"
-
-
-def _import_built(folder: Path):
-    """The already built module, imported without torch's build machinery (~1 s of checks)."""
-    built = sorted(folder.glob("foretell_row_attention*.so"))
-    if not built:
-        return None
-    loader = importlib.machinery.ExtensionFileLoader("foretell_row_attention", str(built[0]))
-    spec = importlib.util.spec_from_file_location("foretell_row_attention", built[0], loader=loader)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-@functools.lru_cache(maxsize=None)
 def native_module():
-    """The compiled extension (built on first use, ~25 s on two cores), or None where it cannot
-    be built; the reason is logged once."""
-    folder = build_dir()
-    try:
-        module = _import_built(folder)
-        if module is not None:
-            return module
-        from torch.utils.cpp_extension import load
-
-        folder.mkdir(parents=True, exist_ok=True)
-        print("foretell: building the native attention loop (once per CPU and torch; ~25 s)",
-              file=sys.stderr, flush=True)
-        start = time.perf_counter()
-        module = load("foretell_row_attention", [str(SOURCE)], extra_cflags=CFLAGS,
-                      build_directory=str(folder), verbose=False)
-        print(f"foretell: built the native attention loop in {time.perf_counter() - start:.0f} s",
-              file=sys.stderr, flush=True)
-        return module
-    except Exception as error:  # no compiler, no headers: the torch operations serve instead
-        log.warning("native attention loop unavailable (%s: %s); attention runs as torch operations",
-                    type(error).__name__, str(error).splitlines()[0] if str(error) else "")
-        return None
+    """The compiled loop, or None where it cannot be built."""
+    return load_native("row_attention")
 
 
 def native_row_attention():
@@ -129,8 +60,3 @@ def row_attention_reference(query, keys, values, slots, visible, scale) -> torch
     k, v = k.repeat_interleave(group, dim=0), v.repeat_interleave(group, dim=0)  # [heads, n, d]
     scores = torch.bmm(query.double() * scale, k.transpose(1, 2)).masked_fill(~visible, float("-inf"))
     return torch.bmm(torch.softmax(scores, dim=-1), v).transpose(0, 1)  # [q, heads, d]
-
-
-if __name__ == "__main__":  # scripts/setup.sh: build now rather than at the first server start
-    logging.basicConfig(level=logging.WARNING)
-    sys.exit(0 if native_module() is not None else 1)

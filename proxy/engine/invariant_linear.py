@@ -39,12 +39,21 @@ ACTIVATION_LEVEL = 63
 _ZERO_POINT = 64
 WEIGHT_LEVEL = 127
 _UNIT_ROUNDOFF = 2.0 ** -24  # float32
+_NO_BIAS = torch.empty(0)
 
 
 def fbgemm_available() -> bool:
     """Whether this torch build has FBGEMM's int8 kernels (x86 builds do)."""
     return ("fbgemm" in torch.backends.quantized.supported_engines
             and hasattr(torch.ops.quantized, "linear_with_input_q_dq_qweight_dq_output_fp32"))
+
+
+def native_int8_rows():
+    """The native quantization and scaling (``foretell/kernels/int8_rows.cpp``: the same bits in
+    one call each), or None where it cannot be built."""
+    from foretell.kernels.cpu_native import load_native
+
+    return load_native("int8_rows")
 
 
 def quantize_rows(x: torch.Tensor, levels: int = 2) -> tuple[list[torch.Tensor], list[torch.Tensor], torch.Tensor]:
@@ -94,6 +103,7 @@ class Int8DynamicLinear(torch.nn.Module):
         self.largest_norms = (float(self.dequantized_norm.max()), float(self.weight_error_norm.max()),
                               float(self.weight_norm.max()))
         self.last_residual_norm: torch.Tensor | None = None  # [n, 1] of the last forward
+        native_int8_rows()  # built now, at load, rather than in the first pass
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, levels={self.levels}"
@@ -109,6 +119,20 @@ class Int8DynamicLinear(torch.nn.Module):
     def product(self, rows: torch.Tensor) -> torch.Tensor:
         """[n, in] -> [n, out] in float32, the residual's norm kept for ``error_bound``."""
         rows = rows.float()
+        native = native_int8_rows()
+        if native is not None:  # the same arithmetic as below, one call each side of FBGEMM's
+            stacked, scales, residual = native.quantize_rows(rows.contiguous(), self.levels, float(ACTIVATION_LEVEL))
+            integer = torch.ops.quantized.linear_with_input_q_dq_qweight_dq_output_fp32(
+                stacked, 1.0, _ZERO_POINT, self.packed)  # [levels * n, out]
+            out = native.scale_rows(integer, scales, self.bias.float() if self.bias is not None else _NO_BIAS)
+        else:
+            out, residual = self.product_as_torch_operations(rows)
+        if self.float_weight is not None:  # the output head: its bound needs the residual
+            self.last_residual_norm = residual.norm(dim=-1, keepdim=True)  # [n, 1]
+        return out
+
+    def product_as_torch_operations(self, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``product``'s arithmetic as torch operations: [n, in] -> ([n, out], residual [n, in])."""
         n = rows.shape[0]
         quantized, scales, residual = quantize_rows(rows, self.levels)
         integer = torch.ops.quantized.linear_with_input_q_dq_qweight_dq_output_fp32(
@@ -118,9 +142,7 @@ class Int8DynamicLinear(torch.nn.Module):
             out = torch.addcmul(out, integer[level * n:(level + 1) * n], scales[level])
         if self.bias is not None:
             out = out + self.bias.float()
-        if self.float_weight is not None:  # the output head: its bound needs the residual
-            self.last_residual_norm = residual.norm(dim=-1, keepdim=True)  # [n, 1]
-        return out
+        return out, residual
 
     def error_bound(self, hidden: torch.Tensor, residual_norm: torch.Tensor) -> "ProductErrorBound":
         """The bound for outputs just computed from ``hidden`` [n, in] (``residual_norm`` [n, 1]:
