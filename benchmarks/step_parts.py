@@ -14,9 +14,11 @@ To see what a change buys, run it beside an earlier commit, alternating rounds:
 (inductor, dynamic shapes) at 1, 17 and 65 rows, with the compile time and whether the bits agree.
 
 ``--torch-attention`` times the batch-invariant attention as torch operations instead of the
-native loop (``foretell/kernels/row_attention.cpp``), to see what the loop buys.
+native loop (``foretell/kernels/row_attention.cpp``), ``--torch-int8-rows`` the int8 products'
+quantization and scaling as torch operations instead of ``int8_rows.cpp``: to see what each buys.
 
-    python benchmarks/step_parts.py [--steps 60] [--dtype auto] [--quantize auto] [--try-compile] [--torch-attention]
+    python benchmarks/step_parts.py [--steps 60] [--dtype auto] [--quantize auto] [--try-compile]
+        [--torch-attention] [--torch-int8-rows]
 """
 
 from __future__ import annotations
@@ -34,7 +36,7 @@ import torch  # noqa: E402
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS  # noqa: E402
 
 from foretell.proxy.engine import GenerationRequest, SpeculativeEngine  # noqa: E402
-from foretell.proxy.engine import kv_cache  # noqa: E402
+from foretell.proxy.engine import invariant_linear, kv_cache  # noqa: E402
 from foretell.proxy.engine.model_loader import load_model  # noqa: E402
 
 PROMPT = "".join(f"def function_{i}(value):\n    return value * {i} + {i * i}\n\n" for i in range(12))
@@ -119,16 +121,21 @@ def main() -> int:
     parser.add_argument("--try-compile", action="store_true")
     parser.add_argument("--torch-attention", action="store_true",
                         help="the batch-invariant attention as torch operations, not the native loop")
+    parser.add_argument("--torch-int8-rows", action="store_true",
+                        help="the int8 products' quantization and scaling as torch operations, not native")
     args = parser.parse_args()
     loaded = load_model(None, dtype=args.dtype, quantize=args.quantize)
     engine = SpeculativeEngine(loaded.model, loaded.tokenizer)
     if args.torch_attention:
         engine.cache.row_attention = None
+    if args.torch_int8_rows:
+        invariant_linear.native_int8_rows = lambda: None  # every layer then takes the torch operations
     prompt = loaded.tokenizer(PROMPT)["input_ids"]
     seq = engine.add(GenerationRequest(prompt_ids=prompt, max_tokens=2 * args.steps + 8, prompt_lookup=False))
     attention = "native loop" if engine.cache.row_attention is not None else "torch operations"
+    int8_rows = "native" if invariant_linear.native_int8_rows() is not None else "torch operations"
     print(f"precision {engine.precision}, {len(prompt)} prompt tokens, {torch.get_num_threads()} threads, "
-          f"attention: {attention}")
+          f"attention: {attention}, int8 rows: {int8_rows}")
     with torch.inference_mode():
         step_times(engine, seq, 5)  # the prefill and a warm-up
         median = statistics.median(step_times(engine, seq, args.steps))

@@ -39,11 +39,11 @@ fi
 
 echo "foretell setup: installing foretell[proxy,draft-cache,ray,dev]" >&2
 "$py" -m pip install --no-compile --quiet --disable-pip-version-check -e ".[proxy,draft-cache,ray,dev]"
-# The native attention loop of the batch-invariant precisions (foretell/kernels/row_attention.cpp),
+# The native CPU loops of the batch-invariant precisions (foretell/kernels/*.cpp),
 # compiled once per CPU and torch into the foretell cache folder, so no server start waits for it.
-echo "foretell setup: building the native attention loop (once per CPU and torch)" >&2
-"$py" -m foretell.kernels.row_attention \
-    || echo "foretell setup: the native attention loop did not build; attention runs as torch operations" >&2
+echo "foretell setup: building the native CPU loops (once per CPU and torch)" >&2
+"$py" -m foretell.kernels.cpu_native \
+    || echo "foretell setup: a native CPU loop did not build; torch operations serve instead" >&2
 # Byte-compile here rather than in pip (--no-compile above): pip compiles one file at a time,
 # compileall on every core, which takes ~20 s off a fresh setup on two cores. foretell's own
 # sources too: an editable install is not compiled, and where PYTHONDONTWRITEBYTECODE is set no
