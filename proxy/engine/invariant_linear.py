@@ -30,6 +30,8 @@ token that could be the float32 argmax (``precision.rescore_in_fp32``).
 
 from __future__ import annotations
 
+import functools
+import logging
 import warnings
 
 import torch
@@ -40,6 +42,7 @@ _ZERO_POINT = 64
 WEIGHT_LEVEL = 127
 _UNIT_ROUNDOFF = 2.0 ** -24  # float32
 _NO_BIAS = torch.empty(0)
+log = logging.getLogger("foretell.engine")
 
 
 def fbgemm_available() -> bool:
@@ -48,12 +51,35 @@ def fbgemm_available() -> bool:
             and hasattr(torch.ops.quantized, "linear_with_input_q_dq_qweight_dq_output_fp32"))
 
 
+@functools.lru_cache(maxsize=None)
 def native_int8_rows():
-    """The native quantization and scaling (``foretell/kernels/int8_rows.cpp``: the same bits in
-    one call each), or None where it cannot be built."""
+    """The native quantization and scaling (``foretell/kernels/int8_rows.cpp``, one call each), or
+    None where it cannot be built or where, on this CPU, it does not give the bits the torch
+    operations give (checked once on random rows: torch's kernels differ by CPU)."""
     from foretell.kernels.cpu_native import load_native
 
-    return load_native("int8_rows")
+    native = load_native("int8_rows")
+    if native is None or _same_bits_as_torch(native):
+        return native
+    log.warning("the native int8 row quantization rounds otherwise than torch on this CPU; not used")
+    return None
+
+
+def _same_bits_as_torch(native) -> bool:
+    generator = torch.Generator().manual_seed(0)
+    for rows, width in ((1, 640), (5, 37), (33, 2048)):
+        x = torch.randn(rows, width, generator=generator) * 10
+        x[0, 1] = 300.0
+        stacked, scales, residual = native.quantize_rows(x, 2, float(ACTIVATION_LEVEL))
+        levels, torch_scales, torch_residual = quantize_rows(x, 2)
+        integer = torch.randint(-5000, 5000, (2 * rows, width), generator=generator).float()
+        bias = torch.randn(width, generator=generator)
+        torch_out = torch.addcmul(integer[:rows] * scales[0], integer[rows:], scales[1]) + bias
+        if not (torch.equal(stacked, torch.cat(levels)) and torch.equal(scales, torch.stack(torch_scales))
+                and torch.equal(residual, torch_residual)
+                and torch.equal(native.scale_rows(integer, scales, bias), torch_out)):
+            return False
+    return True
 
 
 def quantize_rows(x: torch.Tensor, levels: int = 2) -> tuple[list[torch.Tensor], list[torch.Tensor], torch.Tensor]:

@@ -13,7 +13,7 @@ from foretell.proxy.engine.invariant_linear import (
 )
 
 pytestmark = [
-    pytest.mark.skipif(native_int8_rows() is None, reason="no C++ compiler for the native loops"),
+    pytest.mark.skipif(native_int8_rows() is None, reason="the native int8 rows are not built or not bit-equal to torch on this CPU"),
     pytest.mark.skipif(not fbgemm_available(), reason="int8 activations need FBGEMM"),
 ]
 
