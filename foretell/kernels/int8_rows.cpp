@@ -1,8 +1,9 @@
 // The int8 x int8 linear layer's work around FBGEMM's product (proxy/engine/invariant_linear.py),
 // each in one call: quantizing every row to levels of small integers with its own scales, and
 // scaling the integer sums back. The same arithmetic, operation for operation, as the torch code
-// it replaces, so the bits are the same; as a dozen torch operations it cost ~25 us for one row
-// of 640 and ~10 us to scale back, ~1 ms a step over the 73 products of the embedded model.
+// it replaces, so the bits are the same. As ~15 torch operations it cost ~25 us to quantize one
+// row of 640 and ~10 us to scale back; one 1536 x 640 product takes 35 us with these calls against
+// 64 without, ~2 ms a step over the 73 products of the embedded model.
 
 #include <torch/extension.h>
 

@@ -134,7 +134,8 @@ struct Pool {
 // the row sees, in position order.
 void attend_row(const float* q, const Pool& keys, const Pool& values, int64_t kv_head,
                 const int64_t* keys_seen, int64_t m, int64_t d,
-                float* scores /* [m] scratch */, const float** rows_of_v /* [m] scratch */, float* out /* [d] */) {
+                float* scores /* [m] scratch */, const float** rows_of_v /* [m] scratch */,
+                float* out /* [d] */) {
   const float* k_base = keys.data + kv_head * keys.head_stride;
   const float* v_base = values.data + kv_head * values.head_stride;
   auto key = [&](int64_t j) { return k_base + keys_seen[j] * keys.slot_stride; };
@@ -180,6 +181,8 @@ void row_attention(const at::Tensor& query, const at::Tensor& keys, const at::Te
     std::vector<int64_t> seen(n);
     std::vector<const float*> rows_of_v(n);
     for (int64_t pair = begin; pair < end; ++pair) {
+      // Head-major: threads split by heads, each with every row, so a causal prefill's work is even
+      // between them (a row's keys are found again for each head: a scan of n flags, cheap).
       const int64_t h = pair / rows, r = pair % rows;
       const bool* row_visible = vis_data + r * vis_row;
       int64_t m = 0;

@@ -7,13 +7,14 @@ import torch
 from foretell.proxy.engine.invariant_linear import (
     ACTIVATION_LEVEL,
     Int8DynamicLinear,
-    native_int8_rows,
     fbgemm_available,
+    native_int8_rows,
     quantize_rows,
 )
 
 pytestmark = [
-    pytest.mark.skipif(native_int8_rows() is None, reason="the native int8 rows are not built or not bit-equal to torch on this CPU"),
+    pytest.mark.skipif(native_int8_rows() is None,
+                       reason="the native int8 rows are not built or not bit-equal to torch on this CPU"),
     pytest.mark.skipif(not fbgemm_available(), reason="int8 activations need FBGEMM"),
 ]
 
