@@ -13,12 +13,13 @@ To see what a change buys, run it beside an earlier commit, alternating rounds:
 (``invariant_linear.quantize_rows``, a dozen small operations), eager against ``torch.compile``
 (inductor, dynamic shapes) at 1, 17 and 65 rows, with the compile time and whether the bits agree.
 
+``--torch-norm`` keeps the model's own RMSNorms instead of ``row_norm.cpp``'s.
 ``--torch-attention`` times the batch-invariant attention as torch operations instead of the
 native loop (``foretell/kernels/row_attention.cpp``), ``--torch-int8-rows`` the int8 products'
 quantization and scaling as torch operations instead of ``int8_rows.cpp``: to see what each buys.
 
     python benchmarks/step_parts.py [--steps 60] [--dtype auto] [--quantize auto] [--try-compile]
-        [--torch-attention] [--torch-int8-rows]
+        [--torch-attention] [--torch-int8-rows] [--torch-norm]
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ import torch  # noqa: E402
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS  # noqa: E402
 
 from foretell.proxy.engine import GenerationRequest, SpeculativeEngine  # noqa: E402
-from foretell.proxy.engine import invariant_linear, kv_cache  # noqa: E402
+from foretell.proxy.engine import invariant_linear, invariant_norm, kv_cache  # noqa: E402
 from foretell.proxy.engine.model_loader import load_model  # noqa: E402
 
 PROMPT = "".join(f"def function_{i}(value):\n    return value * {i} + {i * i}\n\n" for i in range(12))
@@ -123,7 +124,11 @@ def main() -> int:
                         help="the batch-invariant attention as torch operations, not the native loop")
     parser.add_argument("--torch-int8-rows", action="store_true",
                         help="the int8 products' quantization and scaling as torch operations, not native")
+    parser.add_argument("--torch-norm", action="store_true",
+                        help="the model's own RMSNorms (torch operations), not the native loop")
     args = parser.parse_args()
+    if args.torch_norm:
+        invariant_norm.native_rms_norm = lambda: None  # the load then keeps the model's norms
     loaded = load_model(None, dtype=args.dtype, quantize=args.quantize)
     engine = SpeculativeEngine(loaded.model, loaded.tokenizer)
     if args.torch_attention:
@@ -134,8 +139,9 @@ def main() -> int:
     seq = engine.add(GenerationRequest(prompt_ids=prompt, max_tokens=2 * args.steps + 8, prompt_lookup=False))
     attention = "native loop" if engine.cache.row_attention is not None else "torch operations"
     int8_rows = "native" if invariant_linear.native_int8_rows() is not None else "torch operations"
+    norms = sum(isinstance(m, invariant_norm.RowInvariantRMSNorm) for m in engine.model.modules())
     print(f"precision {engine.precision}, {len(prompt)} prompt tokens, {torch.get_num_threads()} threads, "
-          f"attention: {attention}, int8 rows: {int8_rows}")
+          f"attention: {attention}, int8 rows: {int8_rows}, native RMSNorms: {norms}")
     with torch.inference_mode():
         step_times(engine, seq, 5)  # the prefill and a warm-up
         median = statistics.median(step_times(engine, seq, args.steps))

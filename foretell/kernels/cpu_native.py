@@ -28,6 +28,7 @@ CFLAGS = ["-O3", "-march=native", "-ffp-contract=off"]
 EXTENSIONS = {  # source stem: what it is, for the messages
     "row_attention": "the native attention loop",
     "int8_rows": "the native int8 row quantization",
+    "row_norm": "the native RMSNorm",
 }
 
 log = logging.getLogger("foretell.kernels")

@@ -210,6 +210,10 @@ def quantize_weights(model, mode: str, fp32_head: bool = False) -> int:
                     setattr(parent, name, Int8WeightOnlyLinear(child))
                     count += 1
         model.foretell_batch_invariant = integer
+        if integer:  # its norms too as one native call each: invariant, not transformers' bits
+            from foretell.proxy.engine.invariant_norm import use_row_invariant_norms
+
+            use_row_invariant_norms(model)
         return count
     from torchao.quantization import quantize_
 

@@ -15,10 +15,12 @@ import torch.nn.functional as F
 
 from foretell.proxy.engine import GenerationRequest, SpeculativeEngine
 from foretell.proxy.engine.invariant_attention import CHUNK, fixed_split_attention, key_span, row_group
+from foretell.kernels.row_norm import native_rms_norm
 from foretell.proxy.engine.invariant_linear import Int8DynamicLinear, fbgemm_available, share_inputs
+from foretell.proxy.engine.invariant_norm import RowInvariantRMSNorm
 from foretell.proxy.engine.precision import cpu_has_native_bf16, quantize_weights
 from foretell.proxy.engine.row_chunked_linear import (
-    ROW_CANDIDATES, RowChunkedLinear, chunk_linear_rows, first_count_unlike_one_row, largest_alike_rows)
+    LEAST_ROWS, ROW_CANDIDATES, RowChunkedLinear, chunk_linear_rows, first_count_unlike, largest_alike_rows)
 
 needs_fbgemm = pytest.mark.skipif(not fbgemm_available(), reason="int8 x int8 needs FBGEMM (x86 torch)")
 needs_native_bf16 = pytest.mark.skipif(not cpu_has_native_bf16(),
@@ -158,9 +160,9 @@ def test_bf16_rows_in_checked_calls_are_invariant(width, out):
     rows)."""
     torch.manual_seed(4)
     linear = torch.nn.Linear(width, out, bias=False).to(torch.bfloat16)
-    rows = largest_alike_rows([linear])
-    assert rows in ROW_CANDIDATES
-    layer = RowChunkedLinear(linear, rows)
+    rows, least = largest_alike_rows([linear])
+    assert rows in ROW_CANDIDATES and least in LEAST_ROWS
+    layer = RowChunkedLinear(linear, rows, least)
     assert layer.weight is linear.weight
     assert _rows_alone_equal_rows_together(layer, width, dtype=torch.bfloat16) == []
 
@@ -170,10 +172,31 @@ def test_the_row_check_finds_a_kernel_that_rounds_by_row_count():
     must say so, and never grant a row count at or past the first count that differs."""
     torch.manual_seed(0)
     linear = torch.nn.Linear(640, 300)
-    unlike = first_count_unlike_one_row(linear.weight.detach(), linear.bias, 32)
+    unlike = first_count_unlike(linear.weight.detach(), linear.bias, 32)
     assert unlike is not None
-    rows = largest_alike_rows([linear])
-    assert rows is None or rows < unlike
+    plan = largest_alike_rows([linear])
+    assert plan is None or plan[0] < unlike or plan[1] > 1
+
+
+def test_the_row_check_sees_a_one_row_kernel_that_few_rows_show():
+    """A kernel that rounds one row otherwise than two shows in a few output rows only, after the
+    bf16 rounding: a product that differs in one row of 32 at one row count must be caught."""
+    weight = torch.randn(64, 128).to(torch.bfloat16)
+
+    class OneRowKernel:  # the real product, but one row's sums change in a single count's call
+        def __call__(self, rows, weight, bias, out=None):
+            result = torch.mm(rows, weight.t())
+            if rows.shape[0] == 5:
+                result[3, 0] += 1  # a place between the first, middle and last
+            return result
+
+    import foretell.proxy.engine.row_chunked_linear as chunked
+    real = chunked.product
+    chunked.product = OneRowKernel()
+    try:
+        assert first_count_unlike(weight, None, 32) == 5
+    finally:
+        chunked.product = real
 
 
 def test_a_model_fails_the_check_and_is_left_as_it_was(tiny_model):
@@ -239,6 +262,8 @@ def invariant_engine(request, tiny_model, tokenizer):
         if not fbgemm_available():
             pytest.skip("int8 x int8 needs FBGEMM (x86 torch)")
         quantize_weights(model, "int8")
+        if native_rms_norm() is not None:  # the texts below then rest on the native norms too
+            assert any(isinstance(m, RowInvariantRMSNorm) for m in model.modules())
     else:
         if not cpu_has_native_bf16():
             pytest.skip("bf16 is batch invariant only on a CPU with native bf16")
