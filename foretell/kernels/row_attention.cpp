@@ -11,10 +11,20 @@
 // (lanes of a fixed width summed in a fixed tree), their maximum, w_j = exp(s_j - max), the sum of
 // the w_j and of the w_j v_j in slot order, then the division. Nothing depends on the row count,
 // on the other rows or on how the pairs are split between threads.
+//
+// Products are fused multiply-adds (one rounding; the same in every row). The query heads that
+// share a KV head run together, each key and value row read once for all of them, and a task
+// takes four consecutive rows, weights first, then values. Measured on a Zen 4 EPYC, a 720-token
+// prefill of the embedded model (18 layers): 731 ms in this loop with one head and row a task and
+// separate multiplies and adds, 512 with the heads together, 515 with blocks of rows too, 440
+// with fused multiply-adds: the loop stays bound by its own arithmetic (dot products of 256
+// finished by a lane tree, a scalar exp per weight).
 
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
+#include <immintrin.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <limits>
@@ -34,6 +44,35 @@ inline Lanes load(const float* p) {
 }
 
 inline void store(float* p, Lanes v) { std::memcpy(p, &v, sizeof v); }
+
+// a * b + c rounded once, in every lane: the CPU's fused multiply-add where it has one (half the
+// operations of a multiply and an add), else std::fma lane by lane (the same value, slowly).
+inline Lanes fused(Lanes a, Lanes b, Lanes c) {
+#if defined(__AVX512F__)
+  __m512 x, y, z;
+  std::memcpy(&x, &a, sizeof x);
+  std::memcpy(&y, &b, sizeof y);
+  std::memcpy(&z, &c, sizeof z);
+  const __m512 r = _mm512_fmadd_ps(x, y, z);
+  Lanes out;
+  std::memcpy(&out, &r, sizeof out);
+  return out;
+#elif defined(__FMA__)
+  __m256 x[2], y[2], z[2], r[2];
+  std::memcpy(x, &a, sizeof x);
+  std::memcpy(y, &b, sizeof y);
+  std::memcpy(z, &c, sizeof z);
+  r[0] = _mm256_fmadd_ps(x[0], y[0], z[0]);
+  r[1] = _mm256_fmadd_ps(x[1], y[1], z[1]);
+  Lanes out;
+  std::memcpy(&out, r, sizeof out);
+  return out;
+#else
+  Lanes out;
+  for (int64_t i = 0; i < kLanes; ++i) out[i] = std::fma(a[i], b[i], c[i]);
+  return out;
+#endif
+}
 
 typedef float Half __attribute__((vector_size(kLanes / 2 * sizeof(float))));
 typedef float Quarter __attribute__((vector_size(kLanes / 4 * sizeof(float))));
@@ -55,12 +94,12 @@ inline float lane_sum(Lanes v) {
 // taken in turn (chunk c of 16 elements goes to accumulator c % 4), then added as
 // (a0 + a1) + (a2 + a3). d a multiple of kLanes.
 #define FORETELL_DOT_STEP(acc, q, k, i) \
-  acc[0] += load(q + i) * load(k + i); \
-  acc[1] += load(q + i + kLanes) * load(k + i + kLanes); \
-  acc[2] += load(q + i + 2 * kLanes) * load(k + i + 2 * kLanes); \
-  acc[3] += load(q + i + 3 * kLanes) * load(k + i + 3 * kLanes);
+  acc[0] = fused(load(q + i), load(k + i), acc[0]); \
+  acc[1] = fused(load(q + i + kLanes), load(k + i + kLanes), acc[1]); \
+  acc[2] = fused(load(q + i + 2 * kLanes), load(k + i + 2 * kLanes), acc[2]); \
+  acc[3] = fused(load(q + i + 3 * kLanes), load(k + i + 3 * kLanes), acc[3]);
 #define FORETELL_DOT_TAIL(acc, q, k, i, d) \
-  for (int64_t t = 0; i + t * kLanes < d; ++t) acc[t] += load(q + i + t * kLanes) * load(k + i + t * kLanes);
+  for (int64_t t = 0; i + t * kLanes < d; ++t) acc[t] = fused(load(q + i + t * kLanes), load(k + i + t * kLanes), acc[t]);
 
 inline float finish(const Lanes* acc) { return lane_sum((acc[0] + acc[1]) + (acc[2] + acc[3])); }
 
@@ -94,64 +133,103 @@ inline void dot4(const float* q, const float* k0, const float* k1, const float* 
   s[3] = finish(e);
 }
 
-// out[d] = sum over j of w[j] * v_j[d], the j in order: 64 outputs at a time (16 at the end)
-// held in registers across every key (each output's additions in the same order whatever).
-inline void weighted_sum(const float* w, const float* const* v, int64_t m, int64_t d, float* out) {
+// out_h[d] = sum over j of w_h[j] * v_j[d], the j in order, for H heads at once (the heads of one
+// KV head): each value row is read once for all of them. 64 outputs a head at a time (16 at the
+// end) held in registers across every key; each output's additions in the same order whatever H.
+template <int H>
+void weighted_sums(const float* const* w, const float* const* v, int64_t m, int64_t d, float* const* out) {
   int64_t i = 0;
   for (; i + 4 * kLanes <= d; i += 4 * kLanes) {
-    Lanes o0 = {}, o1 = {}, o2 = {}, o3 = {};
+    Lanes o[H][4] = {};
     for (int64_t j = 0; j < m; ++j) {
       const float* vj = v[j] + i;
-      Lanes wj = {};
-      wj += w[j];
-      o0 += wj * load(vj);
-      o1 += wj * load(vj + kLanes);
-      o2 += wj * load(vj + 2 * kLanes);
-      o3 += wj * load(vj + 3 * kLanes);
+      const Lanes v0 = load(vj), v1 = load(vj + kLanes), v2 = load(vj + 2 * kLanes), v3 = load(vj + 3 * kLanes);
+      for (int h = 0; h < H; ++h) {
+        Lanes wj = {};
+        wj += w[h][j];
+        o[h][0] = fused(wj, v0, o[h][0]);
+        o[h][1] = fused(wj, v1, o[h][1]);
+        o[h][2] = fused(wj, v2, o[h][2]);
+        o[h][3] = fused(wj, v3, o[h][3]);
+      }
     }
-    store(out + i, o0);
-    store(out + i + kLanes, o1);
-    store(out + i + 2 * kLanes, o2);
-    store(out + i + 3 * kLanes, o3);
+    for (int h = 0; h < H; ++h)
+      for (int c = 0; c < 4; ++c) store(out[h] + i + c * kLanes, o[h][c]);
   }
   for (; i < d; i += kLanes) {
-    Lanes o = {};
+    Lanes o[H] = {};
     for (int64_t j = 0; j < m; ++j) {
-      Lanes wj = {};
-      wj += w[j];
-      o += wj * load(v[j] + i);
+      const Lanes vj = load(v[j] + i);
+      for (int h = 0; h < H; ++h) {
+        Lanes wj = {};
+        wj += w[h][j];
+        o[h] = fused(wj, vj, o[h]);
+      }
     }
-    store(out + i, o);
+    for (int h = 0; h < H; ++h) store(out[h] + i, o[h]);
   }
 }
+
+void weighted_sums_of(int count, const float* const* w, const float* const* v, int64_t m, int64_t d,
+                      float* const* out) {
+  switch (count) {
+    case 1: weighted_sums<1>(w, v, m, d, out); break;
+    case 2: weighted_sums<2>(w, v, m, d, out); break;
+    case 3: weighted_sums<3>(w, v, m, d, out); break;
+    default: weighted_sums<4>(w, v, m, d, out); break;
+  }
+}
+
+constexpr int64_t kHeadsAtOnce = 4;  // query heads sharing each value row read (registers)
+constexpr int64_t kRowsAtOnce = 4;  // query rows of a task (keys and values read from L2)
 
 struct Pool {
   const float* data;
   int64_t head_stride, slot_stride;
 };
 
-// One (head, query row): `q` [d] already scaled; `keys_seen` [m] the pool slots of the keys
-// the row sees, in position order.
-void attend_row(const float* q, const Pool& keys, const Pool& values, int64_t kv_head,
-                const int64_t* keys_seen, int64_t m, int64_t d,
-                float* scores /* [m] scratch */, const float** rows_of_v /* [m] scratch */,
-                float* out /* [d] */) {
+// Scores, then weights, of one KV head and query row for the `group` query heads that share the
+// KV head: `q` [group][d] already scaled; `keys_seen` [m] the pool slots of the keys the row
+// sees, in position order. Each key block is read once for every head (while it is in the
+// first-level cache); each head's arithmetic is what it would be alone, so a (head, row) result
+// has the same bits whatever the grouping. Leaves w_j = exp(s_j - max) in `weights` [group][m]
+// and their sums in `totals` [group].
+void weigh_row(const float* q, int64_t group, const Pool& keys, int64_t kv_head, const int64_t* keys_seen,
+               int64_t m, int64_t d, float* weights, float* totals) {
   const float* k_base = keys.data + kv_head * keys.head_stride;
-  const float* v_base = values.data + kv_head * values.head_stride;
   auto key = [&](int64_t j) { return k_base + keys_seen[j] * keys.slot_stride; };
   int64_t j = 0;
-  for (; j + 4 <= m; j += 4) dot4(q, key(j), key(j + 1), key(j + 2), key(j + 3), d, scores + j);
-  for (; j < m; ++j) scores[j] = dot(q, key(j), d);
-  float top = -std::numeric_limits<float>::infinity();
-  for (j = 0; j < m; ++j) top = std::max(top, scores[j]);
-  float total = 0.0f;
-  for (j = 0; j < m; ++j) {
-    scores[j] = std::exp(scores[j] - top);  // the weight, in place of the score
-    total += scores[j];
-    rows_of_v[j] = v_base + keys_seen[j] * values.slot_stride;
+  for (; j + 4 <= m; j += 4)
+    for (int64_t g = 0; g < group; ++g)
+      dot4(q + g * d, key(j), key(j + 1), key(j + 2), key(j + 3), d, weights + g * m + j);
+  for (; j < m; ++j)
+    for (int64_t g = 0; g < group; ++g) weights[g * m + j] = dot(q + g * d, key(j), d);
+  for (int64_t g = 0; g < group; ++g) {
+    float* s = weights + g * m;
+    float top = -std::numeric_limits<float>::infinity();
+    for (j = 0; j < m; ++j) top = std::max(top, s[j]);
+    float total = 0.0f;
+    for (j = 0; j < m; ++j) {
+      s[j] = std::exp(s[j] - top);  // the weight, in place of the score
+      total += s[j];
+    }
+    totals[g] = total;
   }
-  weighted_sum(scores, rows_of_v, m, d, out);
-  for (int64_t i = 0; i < d; ++i) out[i] /= total;
+}
+
+// The weighted values of one KV head and query row, divided by the weights' sums: out_g [d] for
+// each of the `group` heads (weigh_row's weights and totals).
+void sum_row(const float* weights, const float* totals, int64_t group, const Pool& values, int64_t kv_head,
+             const int64_t* keys_seen, int64_t m, int64_t d, const float** rows_of_v /* [m] scratch */,
+             float* const* out) {
+  const float* v_base = values.data + kv_head * values.head_stride;
+  for (int64_t j = 0; j < m; ++j) rows_of_v[j] = v_base + keys_seen[j] * values.slot_stride;
+  std::vector<const float*> w(group);
+  for (int64_t g = 0; g < group; ++g) w[g] = weights + g * m;
+  for (int64_t g = 0; g < group; g += kHeadsAtOnce)
+    weighted_sums_of(static_cast<int>(std::min(kHeadsAtOnce, group - g)), w.data() + g, rows_of_v, m, d, out + g);
+  for (int64_t g = 0; g < group; ++g)
+    for (int64_t i = 0; i < d; ++i) out[g][i] /= totals[g];
 }
 
 }  // namespace
@@ -174,24 +252,45 @@ void row_attention(const at::Tensor& query, const at::Tensor& keys, const at::Te
   const bool* vis_data = visible.data_ptr<bool>();
   const int64_t vis_row = visible.stride(0);
   const float scale_f = static_cast<float>(scale);
-  // Threads only where the pass has work for them (a decoding row's few pairs stay on one).
-  const int64_t grain = std::max<int64_t>(1, (int64_t(1) << 19) / std::max<int64_t>(1, n * d));
-  at::parallel_for(0, heads * rows, grain, [&](int64_t begin, int64_t end) {
-    std::vector<float> q(d), scores(n);
-    std::vector<int64_t> seen(n);
+  // A task is one KV head and a block of up to kRowsAtOnce consecutive rows: first every row's
+  // weights, then every row's weighted values, so the block's rows read the keys (then the values)
+  // the first of them brought into the second-level cache, not each from the third.
+  const int64_t blocks = (rows + kRowsAtOnce - 1) / kRowsAtOnce;
+  // Threads only where the pass has work for them (a decoding row's few tasks stay on one).
+  const int64_t grain = std::max<int64_t>(1, (int64_t(1) << 19) / std::max<int64_t>(1, group * n * d * kRowsAtOnce));
+  at::parallel_for(0, kv_heads * blocks, grain, [&](int64_t begin, int64_t end) {
+    std::vector<float> q(group * d), weights(kRowsAtOnce * group * n), totals(kRowsAtOnce * group);
+    std::vector<int64_t> seen(kRowsAtOnce * n), counts(kRowsAtOnce);
     std::vector<const float*> rows_of_v(n);
-    for (int64_t pair = begin; pair < end; ++pair) {
-      // Head-major: threads split by heads, each with every row, so a causal prefill's work is even
-      // between them (a row's keys are found again for each head: a scan of n flags, cheap).
-      const int64_t h = pair / rows, r = pair % rows;
-      const bool* row_visible = vis_data + r * vis_row;
-      int64_t m = 0;
-      for (int64_t j = 0; j < n; ++j)
-        if (row_visible[j]) seen[m++] = slot_data[j];
-      const float* src = q_data + h * q_head + r * q_row;
-      for (int64_t i = 0; i < d; ++i) q[i] = src[i] * scale_f;
-      attend_row(q.data(), k, v, h / group, seen.data(), m, d, scores.data(), rows_of_v.data(),
-                 o_data + r * o_row + h * o_head);
+    std::vector<float*> out_rows(group);
+    for (int64_t task = begin; task < end; ++task) {
+      // Blocks taken from both ends in turn (0, last, 1, last - 1, ...), so that each thread's
+      // contiguous share of a causal prefill holds as many keys as the other's; which thread
+      // computes a row does not change its bits.
+      const int64_t kv = task / blocks, t = task % blocks;
+      const int64_t block = (t % 2 == 0) ? t / 2 : blocks - 1 - t / 2;
+      const int64_t first = block * kRowsAtOnce, last = std::min(rows, first + kRowsAtOnce);
+      for (int64_t r = first; r < last; ++r) {
+        const int64_t b = r - first;
+        int64_t* row_seen = seen.data() + b * n;
+        const bool* row_visible = vis_data + r * vis_row;
+        int64_t m = 0;
+        for (int64_t j = 0; j < n; ++j)
+          if (row_visible[j]) row_seen[m++] = slot_data[j];
+        counts[b] = m;
+        for (int64_t g = 0; g < group; ++g) {
+          const float* src = q_data + (kv * group + g) * q_head + r * q_row;
+          for (int64_t i = 0; i < d; ++i) q[g * d + i] = src[i] * scale_f;
+        }
+        weigh_row(q.data(), group, k, kv, row_seen, m, d, weights.data() + b * group * n,
+                  totals.data() + b * group);
+      }
+      for (int64_t r = first; r < last; ++r) {
+        const int64_t b = r - first;
+        for (int64_t g = 0; g < group; ++g) out_rows[g] = o_data + r * o_row + (kv * group + g) * o_head;
+        sum_row(weights.data() + b * group * n, totals.data() + b * group, group, v, kv, seen.data() + b * n,
+                counts[b], d, rows_of_v.data(), out_rows.data());
+      }
     }
   });
 }

@@ -25,7 +25,7 @@ def _case(heads, kv_heads, d, rows, first_position, pool=1024, seed=0):
     return query, keys, values, slots, visible
 
 
-@pytest.mark.parametrize("heads,kv_heads,d", [(4, 1, 256), (4, 2, 64), (2, 2, 32), (6, 2, 80)])
+@pytest.mark.parametrize("heads,kv_heads,d", [(4, 1, 256), (4, 2, 64), (2, 2, 32), (6, 2, 80), (10, 1, 32)])
 def test_matches_the_float64_reference(heads, kv_heads, d):
     query, keys, values, slots, visible = _case(heads, kv_heads, d, rows=37, first_position=200)
     out = row_attention(query, keys, values, slots, visible, d ** -0.5)
@@ -43,10 +43,13 @@ def test_a_sliding_window_mask_is_honoured():
                                atol=2e-6, rtol=1e-5)
 
 
-@pytest.mark.parametrize("d", [256, 32, 80])
-def test_a_row_has_the_same_bits_in_every_pass(d):
+@pytest.mark.parametrize("heads,d", [(4, 256), (4, 32), (4, 80), (6, 32)])
+def test_a_row_has_the_same_bits_in_every_pass(heads, d):
+    """A row computed with the rows of its block of four and its thread's other blocks, alone, and
+    in shorter passes (other blocks, other threads); six heads over one KV head are done four,
+    then two, at a time."""
     rows = 64
-    query, keys, values, slots, visible = _case(4, 1, d, rows=rows, first_position=150, seed=1)
+    query, keys, values, slots, visible = _case(heads, 1, d, rows=rows, first_position=150, seed=1)
     together = row_attention(query, keys, values, slots, visible, d ** -0.5)
     for r in (0, 1, 5, 31, 63):
         position = 150 + r
