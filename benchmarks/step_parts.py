@@ -13,13 +13,16 @@ To see what a change buys, run it beside an earlier commit, alternating rounds:
 (``invariant_linear.quantize_rows``, a dozen small operations), eager against ``torch.compile``
 (inductor, dynamic shapes) at 1, 17 and 65 rows, with the compile time and whether the bits agree.
 
+``--prefill N`` also times a cold prefill of an N-token prompt (and its first token), median of
+three, with the time spent in each native loop (``foretell/kernels/*.cpp``) during it.
+
 ``--torch-norm`` keeps the model's own RMSNorms instead of ``row_norm.cpp``'s.
 ``--torch-attention`` times the batch-invariant attention as torch operations instead of the
 native loop (``foretell/kernels/row_attention.cpp``), ``--torch-int8-rows`` the int8 products'
 quantization and scaling as torch operations instead of ``int8_rows.cpp``: to see what each buys.
 
     python benchmarks/step_parts.py [--steps 60] [--dtype auto] [--quantize auto] [--try-compile]
-        [--torch-attention] [--torch-int8-rows] [--torch-norm]
+        [--torch-attention] [--torch-int8-rows] [--torch-norm] [--prefill N]
 """
 
 from __future__ import annotations
@@ -86,6 +89,41 @@ def parts(engine, seq, steps: int) -> dict[str, float]:
     return table
 
 
+NATIVE_CALLS = {"row_attention": ["row_attention"], "int8_rows": ["quantize_rows", "scale_rows"],
+                "row_norm": ["rms_norm"]}
+
+
+def prefill(engine, tokenizer, tokens: int) -> None:
+    """A cold prefill of ``tokens`` prompt tokens and one decoded token, three times: the median,
+    and each native loop's share (its calls wrapped in timers)."""
+    from foretell.kernels.cpu_native import load_native
+
+    spent = collections.defaultdict(float)
+    for name, calls in NATIVE_CALLS.items():
+        module = load_native(name)
+        for call in calls if module is not None else []:
+            def timed(*args, original=getattr(module, call), call=call):
+                start = time.perf_counter()
+                try:
+                    return original(*args)
+                finally:
+                    spent[call] += time.perf_counter() - start
+            setattr(module, call, timed)
+    ids = (tokenizer(PROMPT * (1 + tokens // 200))["input_ids"])[:tokens]
+    times = []
+    for _ in range(3):
+        engine.cache.prefix.clear()  # cold: nothing of the prompt cached
+        seq = engine.add(GenerationRequest(prompt_ids=ids, max_tokens=1, prompt_lookup=False))
+        start = time.perf_counter()
+        while not seq.finished:
+            engine.step([seq])
+        times.append(time.perf_counter() - start)
+    print(f"\nprefill of {len(ids)} tokens and one token: median {1000 * statistics.median(times):.0f} ms "
+          f"(runs: {', '.join(f'{1000 * t:.0f}' for t in times)})")
+    for call, seconds in spent.items():
+        print(f"  in {call}: {1000 * seconds / 3:.0f} ms a prefill")
+
+
 def try_compile(width: int = 640) -> None:
     from foretell.proxy.engine.invariant_linear import quantize_rows
 
@@ -124,6 +162,8 @@ def main() -> int:
                         help="the batch-invariant attention as torch operations, not the native loop")
     parser.add_argument("--torch-int8-rows", action="store_true",
                         help="the int8 products' quantization and scaling as torch operations, not native")
+    parser.add_argument("--prefill", type=int, default=0, metavar="N",
+                        help="also time a cold prefill of an N-token prompt and the native loops in it")
     parser.add_argument("--torch-norm", action="store_true",
                         help="the model's own RMSNorms (torch operations), not the native loop")
     args = parser.parse_args()
@@ -149,6 +189,8 @@ def main() -> int:
         print("\n| part (module hooks) | ms a step |\n|---|---|")
         for name, ms in sorted(parts(engine, seq, args.steps).items(), key=lambda kv: -kv[1]):
             print(f"| {name} | {ms:.2f} |")
+        if args.prefill:
+            prefill(engine, loaded.tokenizer, args.prefill)
     if args.try_compile:
         try_compile()
     return 0
