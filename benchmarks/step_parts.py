@@ -16,6 +16,10 @@ To see what a change buys, run it beside an earlier commit, alternating rounds:
 ``--prefill N`` also times a cold prefill of an N-token prompt (and its first token), median of
 three, with the time spent in each native loop (``foretell/kernels/*.cpp``) during it.
 
+``--pass-rows 1,8,16`` also times one pass of each number of new rows (logits for all of them,
+as a verify pass has) after a 700-token context, median of nine, and the int8 output head's
+product alone at those rows.
+
 ``--torch-norm`` keeps the model's own RMSNorms instead of ``row_norm.cpp``'s.
 ``--torch-attention`` times the batch-invariant attention as torch operations instead of the
 native loop (``foretell/kernels/row_attention.cpp``), ``--torch-int8-rows`` the int8 products'
@@ -23,6 +27,7 @@ quantization and scaling as torch operations instead of ``int8_rows.cpp``: to se
 
     python benchmarks/step_parts.py [--steps 60] [--dtype auto] [--quantize auto] [--try-compile]
         [--torch-attention] [--torch-int8-rows] [--torch-norm] [--prefill N]
+        [--pass-rows 1,2,4,8,16,32]
 """
 
 from __future__ import annotations
@@ -41,6 +46,7 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS  # noqa: E402
 
 from foretell.proxy.engine import GenerationRequest, SpeculativeEngine  # noqa: E402
 from foretell.proxy.engine import invariant_linear, invariant_norm, kv_cache  # noqa: E402
+from foretell.proxy.engine.forward import forward_pass  # noqa: E402
 from foretell.proxy.engine.model_loader import load_model  # noqa: E402
 
 PROMPT = "".join(f"def function_{i}(value):\n    return value * {i} + {i * i}\n\n" for i in range(12))
@@ -124,6 +130,36 @@ def prefill(engine, tokenizer, tokens: int) -> None:
         print(f"  in {call}: {1000 * seconds / 3:.0f} ms a prefill")
 
 
+def pass_rows(engine, counts: list[int], context: int = 700) -> None:
+    """One pass of n new rows after ``context`` tokens, per n (never committed: each pass
+    writes the same positions again), and the output head's product of n rows alone."""
+    def median_ms(function, repeats: int = 9) -> float:
+        times = []
+        for _ in range(repeats):
+            start = time.perf_counter()
+            function()
+            times.append(time.perf_counter() - start)
+        return 1000 * statistics.median(times)
+
+    blocks = engine.cache.reserve(context + max(counts) + 1, context + max(counts) + 1)
+    head = engine.model.get_output_embeddings()
+    generator = torch.Generator().manual_seed(0)
+    try:
+        forward_pass(engine.model, engine.cache, [(blocks, torch.randint(10, 1000, (context,)).tolist(), None)],
+                     engine.fp32_head)
+        blocks.committed = context
+        hidden = torch.randn(max(counts), head.in_features, generator=generator)
+        print(f"\n| new rows (after {context} tokens) | pass ms | int8 head alone ms |\n|---|---|---|")
+        for n in counts:
+            ids = torch.randint(0, 1000, (n,), generator=generator).tolist()
+            whole = median_ms(lambda: forward_pass(engine.model, engine.cache, [(blocks, ids, 0)], engine.fp32_head))
+            alone = (f"{median_ms(lambda: head.product(hidden[:n])):.1f}"
+                     if isinstance(head, invariant_linear.Int8DynamicLinear) else "-")
+            print(f"| {n} | {whole:.1f} | {alone} |")
+    finally:
+        engine.cache.free(blocks)
+
+
 def try_compile(width: int = 640) -> None:
     from foretell.proxy.engine.invariant_linear import quantize_rows
 
@@ -164,6 +200,8 @@ def main() -> int:
                         help="the int8 products' quantization and scaling as torch operations, not native")
     parser.add_argument("--prefill", type=int, default=0, metavar="N",
                         help="also time a cold prefill of an N-token prompt and the native loops in it")
+    parser.add_argument("--pass-rows", default="", metavar="1,8,16",
+                        help="also time one pass of each number of new rows, and the int8 head alone")
     parser.add_argument("--torch-norm", action="store_true",
                         help="the model's own RMSNorms (torch operations), not the native loop")
     args = parser.parse_args()
@@ -191,6 +229,8 @@ def main() -> int:
             print(f"| {name} | {ms:.2f} |")
         if args.prefill:
             prefill(engine, loaded.tokenizer, args.prefill)
+        if args.pass_rows:
+            pass_rows(engine, [int(n) for n in args.pass_rows.split(",")])
     if args.try_compile:
         try_compile()
     return 0
