@@ -139,6 +139,21 @@ class SpeculativeEngine:
         return describe(self.dtype, self.quantization, self.fp32_head)
 
     @property
+    def native_loops(self) -> list[str]:
+        """The native CPU loops (``foretell/kernels/*.cpp``) this engine's passes run: where one
+        is missing (no compiler, or bits unlike torch's) its torch operations serve, slower."""
+        from foretell.proxy.engine.invariant_linear import native_int8_rows
+        from foretell.proxy.engine.invariant_norm import RowInvariantRMSNorm
+
+        modules = list(self.model.modules())
+        loops = ["attention"] if self.cache.batch_invariant and self.cache.row_attention is not None else []
+        if any(isinstance(m, Int8DynamicLinear) for m in modules) and native_int8_rows() is not None:
+            loops.append("int8 rows")
+        if any(isinstance(m, RowInvariantRMSNorm) for m in modules):
+            loops.append("rms norm")
+        return loops
+
+    @property
     def pass_cost(self) -> PassCostModel:
         """The current fit of a pass's cost by its positions."""
         return self.cost.model

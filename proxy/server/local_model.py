@@ -20,6 +20,7 @@ class LocalModel:
         self.precision = scheduler.engine.precision  # e.g. bfloat16+fp32-head, shown by /health
         self.kernels = scheduler.engine.kernels.describe()  # which run Triton, which fell back
         self.batch_invariant = scheduler.engine.batch_invariant  # one text per request, whatever runs
+        self.native_loops = scheduler.engine.native_loops  # e.g. ["attention", "int8 rows", "rms norm"]
         drafter = scheduler.engine.draft_model
         self.draft_model = drafter.name if drafter is not None else None  # e.g. self:int8, shown by /health
         from foretell.proxy.engine.kernel_timing import describe_cpu
@@ -89,9 +90,10 @@ def default_loader(settings: ServerSettings):
                                    draft_model_name=settings.draft_model or "draft")
         from foretell.proxy.engine.kernel_timing import cpu_features
 
-        log.info("engine precision: %s (batch invariant: %s); kernels: %s; CPU features: %s",
+        log.info("engine precision: %s (batch invariant: %s); kernels: %s; native CPU loops: %s; CPU features: %s",
                  engine.precision, "yes" if engine.batch_invariant else "no",
-                 ", ".join(engine.kernels.triton) or "torch references", ", ".join(cpu_features()) or "-")
+                 ", ".join(engine.kernels.triton) or "torch references", ", ".join(engine.native_loops) or "none",
+                 ", ".join(cpu_features()) or "-")
         if settings.calibrate:  # from the calibration cache when this machine measured it before
             calibrate_with_cache(engine, loaded.source, recalibrate=settings.recalibrate)
             if engine.draft_model is not None:

@@ -16,7 +16,8 @@ async def health(server: Server):
     if server.local is not None:
         local = server.local
         return {"status": "ok", "model": local.name, "precision": local.precision,
-                "batch_invariant": local.batch_invariant, "cpu": local.cpu, "kernels": local.kernels,
+                "batch_invariant": local.batch_invariant, "native_loops": local.native_loops,
+                "cpu": local.cpu, "kernels": local.kernels,
                 "draft_model": local.draft_model}
     if server.load_error:
         return JSONResponse({"status": "error", "error": server.load_error}, status_code=503)

@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from foretell.proxy.engine import GenerationRequest, SpeculativeEngine
 from foretell.proxy.engine.invariant_attention import CHUNK, fixed_split_attention, key_span, row_group
 from foretell.kernels.row_norm import native_rms_norm
-from foretell.proxy.engine.invariant_linear import Int8DynamicLinear, fbgemm_available, share_inputs
+from foretell.proxy.engine.invariant_linear import Int8DynamicLinear, fbgemm_available, native_int8_rows, share_inputs
 from foretell.proxy.engine.invariant_norm import RowInvariantRMSNorm
 from foretell.proxy.engine.precision import cpu_has_native_bf16, quantize_weights
 from foretell.proxy.engine.row_chunked_linear import (
@@ -271,6 +271,9 @@ def invariant_engine(request, tiny_model, tokenizer):
         assert chunk_linear_rows(model) in ROW_CANDIDATES
     engine = SpeculativeEngine(model, tokenizer)
     assert engine.batch_invariant and engine.cache.batch_invariant
+    if request.param == "int8" and native_rms_norm() is not None:  # /health lists what serves
+        assert "rms norm" in engine.native_loops
+        assert ("int8 rows" in engine.native_loops) == (native_int8_rows() is not None)
     assert engine.precision == {"int8": "float32/int8+fp32-head", "bfloat16": "bfloat16+fp32-head"}[request.param]
     return engine
 

@@ -75,7 +75,7 @@ def test_a_bug_is_a_500_envelope_and_one_traceback_with_the_request_id(caplog):
         scheduler = SimpleNamespace(close=lambda: None, queued=0, running=0)
         return SimpleNamespace(name="fake", tokenizer=_BrokenTokenizer(), context=None, scheduler=scheduler,
                                chat_stops=(), chat_stop_token_ids=(), precision="float32",
-                               batch_invariant=False, cpu={}, draft_model=None,
+                               batch_invariant=False, native_loops=[], cpu={}, draft_model=None,
                                kernels={"mode": "reference", "triton": [], "fallback": {}})
 
     caplog.set_level(logging.INFO)

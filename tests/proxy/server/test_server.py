@@ -137,6 +137,7 @@ def test_health_names_the_precision(server):
     # FORETELL_DTYPE=float32 (tests/conftest.py): the suite's oracle is the float32 model.
     health = httpx.get(server["base"] + "/health").json()
     assert health["precision"] == "float32" and health["batch_invariant"] is False
+    assert health["native_loops"] == []  # float32 keeps transformers' norms and torch's attention
     assert health["cpu"]["threads"] >= 1 and isinstance(health["cpu"]["features"], list)
 
 
