@@ -13,12 +13,12 @@
 // on the other rows or on how the pairs are split between threads.
 //
 // Products are fused multiply-adds (one rounding; the same in every row). The query heads that
-// share a KV head run together, each key and value row read once for all of them, and a task
-// takes four consecutive rows, weights first, then values. Measured on a Zen 4 EPYC, a 720-token
-// prefill of the embedded model (18 layers): 731 ms in this loop with one head and row a task and
-// separate multiplies and adds, 512 with the heads together, 515 with blocks of rows too, 440
-// with fused multiply-adds: the loop stays bound by its own arithmetic (dot products of 256
-// finished by a lane tree, a scalar exp per weight).
+// share a KV head run together, each key and value row read once for all of them. Measured on a
+// Zen 4 EPYC, a 720-token prefill of the embedded model (18 layers): 731 ms in this loop with one
+// head a task and separate multiplies and adds, 512 with the heads together, 440 with fused
+// multiply-adds. Tasks of four rows (weights of all four, then values, so that keys come from the
+// second-level cache) were tried and bought nothing (515 ms): the loop is bound by its own
+// arithmetic (dot products of 256 finished by a lane tree, a scalar exp per weight).
 
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
@@ -181,7 +181,6 @@ void weighted_sums_of(int count, const float* const* w, const float* const* v, i
 }
 
 constexpr int64_t kHeadsAtOnce = 4;  // query heads sharing each value row read (registers)
-constexpr int64_t kRowsAtOnce = 4;  // query rows of a task (keys and values read from L2)
 
 struct Pool {
   const float* data;
@@ -252,45 +251,31 @@ void row_attention(const at::Tensor& query, const at::Tensor& keys, const at::Te
   const bool* vis_data = visible.data_ptr<bool>();
   const int64_t vis_row = visible.stride(0);
   const float scale_f = static_cast<float>(scale);
-  // A task is one KV head and a block of up to kRowsAtOnce consecutive rows: first every row's
-  // weights, then every row's weighted values, so the block's rows read the keys (then the values)
-  // the first of them brought into the second-level cache, not each from the third.
-  const int64_t blocks = (rows + kRowsAtOnce - 1) / kRowsAtOnce;
   // Threads only where the pass has work for them (a decoding row's few tasks stay on one).
-  const int64_t grain = std::max<int64_t>(1, (int64_t(1) << 19) / std::max<int64_t>(1, group * n * d * kRowsAtOnce));
-  at::parallel_for(0, kv_heads * blocks, grain, [&](int64_t begin, int64_t end) {
-    std::vector<float> q(group * d), weights(kRowsAtOnce * group * n), totals(kRowsAtOnce * group);
-    std::vector<int64_t> seen(kRowsAtOnce * n), counts(kRowsAtOnce);
+  const int64_t grain = std::max<int64_t>(1, (int64_t(1) << 19) / std::max<int64_t>(1, group * n * d));
+  at::parallel_for(0, kv_heads * rows, grain, [&](int64_t begin, int64_t end) {
+    std::vector<float> q(group * d), weights(group * n), totals(group);
+    std::vector<int64_t> seen(n);
     std::vector<const float*> rows_of_v(n);
     std::vector<float*> out_rows(group);
     for (int64_t task = begin; task < end; ++task) {
-      // Blocks taken from both ends in turn (0, last, 1, last - 1, ...), so that each thread's
-      // contiguous share of a causal prefill holds as many keys as the other's; which thread
-      // computes a row does not change its bits.
-      const int64_t kv = task / blocks, t = task % blocks;
-      const int64_t block = (t % 2 == 0) ? t / 2 : blocks - 1 - t / 2;
-      const int64_t first = block * kRowsAtOnce, last = std::min(rows, first + kRowsAtOnce);
-      for (int64_t r = first; r < last; ++r) {
-        const int64_t b = r - first;
-        int64_t* row_seen = seen.data() + b * n;
-        const bool* row_visible = vis_data + r * vis_row;
-        int64_t m = 0;
-        for (int64_t j = 0; j < n; ++j)
-          if (row_visible[j]) row_seen[m++] = slot_data[j];
-        counts[b] = m;
-        for (int64_t g = 0; g < group; ++g) {
-          const float* src = q_data + (kv * group + g) * q_head + r * q_row;
-          for (int64_t i = 0; i < d; ++i) q[g * d + i] = src[i] * scale_f;
-        }
-        weigh_row(q.data(), group, k, kv, row_seen, m, d, weights.data() + b * group * n,
-                  totals.data() + b * group);
+      // A task is one KV head and one row. Rows taken from both ends in turn (0, last, 1,
+      // last - 1, ...), so that each thread's contiguous share of a causal prefill holds as many
+      // keys as the other's; which thread computes a row does not change its bits.
+      const int64_t kv = task / rows, t = task % rows;
+      const int64_t r = (t % 2 == 0) ? t / 2 : rows - 1 - t / 2;
+      const bool* row_visible = vis_data + r * vis_row;
+      int64_t m = 0;
+      for (int64_t j = 0; j < n; ++j)
+        if (row_visible[j]) seen[m++] = slot_data[j];
+      for (int64_t g = 0; g < group; ++g) {
+        const int64_t h = kv * group + g;
+        const float* src = q_data + h * q_head + r * q_row;
+        for (int64_t i = 0; i < d; ++i) q[g * d + i] = src[i] * scale_f;
+        out_rows[g] = o_data + r * o_row + h * o_head;
       }
-      for (int64_t r = first; r < last; ++r) {
-        const int64_t b = r - first;
-        for (int64_t g = 0; g < group; ++g) out_rows[g] = o_data + r * o_row + (kv * group + g) * o_head;
-        sum_row(weights.data() + b * group * n, totals.data() + b * group, group, v, kv, seen.data() + b * n,
-                counts[b], d, rows_of_v.data(), out_rows.data());
-      }
+      weigh_row(q.data(), group, k, kv, seen.data(), m, d, weights.data(), totals.data());
+      sum_row(weights.data(), totals.data(), group, v, kv, seen.data(), m, d, rows_of_v.data(), out_rows.data());
     }
   });
 }

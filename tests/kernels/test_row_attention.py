@@ -45,9 +45,8 @@ def test_a_sliding_window_mask_is_honoured():
 
 @pytest.mark.parametrize("heads,d", [(4, 256), (4, 32), (4, 80), (6, 32)])
 def test_a_row_has_the_same_bits_in_every_pass(heads, d):
-    """A row computed with the rows of its block of four and its thread's other blocks, alone, and
-    in shorter passes (other blocks, other threads); six heads over one KV head are done four,
-    then two, at a time."""
+    """A row computed among 64 (rows taken from both ends, split between threads), alone, and in
+    shorter passes; six heads over one KV head are done four, then two, at a time."""
     rows = 64
     query, keys, values, slots, visible = _case(heads, 1, d, rows=rows, first_position=150, seed=1)
     together = row_attention(query, keys, values, slots, visible, d ** -0.5)
