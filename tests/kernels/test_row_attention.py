@@ -34,6 +34,24 @@ def test_matches_the_float64_reference(heads, kv_heads, d):
     torch.testing.assert_close(out.double(), reference, atol=2e-6, rtol=1e-5)
 
 
+def test_weights_far_below_the_largest_vanish_and_near_ones_are_exact():
+    """The loop's own exp: a score 1000 below the largest weighs exactly 0 (no NaN, no denormal
+    trouble), and scores spread over [-80, 0] weigh as float64's exp does."""
+    query, keys, values, slots, visible = _case(4, 1, 64, rows=3, first_position=40, seed=2)
+    keys[:, slots[5]] = query[0, 0] * 1000  # key 5: far above every other for head 0, row 0
+    out = row_attention(query, keys, values, slots, visible, 1.0)
+    assert torch.isfinite(out).all()
+    assert torch.equal(out[0, 0], values[0, slots[5]])  # every other weight exactly 0
+    spread = torch.linspace(-80, 0, 43)  # scores of row 2 (43 visible keys) against a unit query
+    unit = torch.zeros(4, 3, 64)
+    unit[:, 2, 0] = 1.0
+    keys[:, slots[:43], 0] = spread
+    keys[:, slots[:43], 1:] = 0.0
+    out = row_attention(unit, keys, values, slots, visible, 1.0)
+    reference = row_attention_reference(unit, keys, values, slots, visible, 1.0)
+    torch.testing.assert_close(out[2].double(), reference[2], atol=1e-6, rtol=1e-6)
+
+
 def test_a_sliding_window_mask_is_honoured():
     query, keys, values, slots, visible = _case(4, 1, 64, rows=20, first_position=100)
     positions = torch.arange(100, 120)
