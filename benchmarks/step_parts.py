@@ -130,16 +130,23 @@ def prefill(engine, tokenizer, tokens: int) -> None:
         print(f"  in {call}: {1000 * seconds / 3:.0f} ms a prefill")
 
 
+def median_seconds(function, repeats: int, warmup: int = 0) -> float:
+    """The median wall time of ``repeats`` calls of ``function()``, after ``warmup`` untimed ones."""
+    for _ in range(warmup):
+        function()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        function()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
 def pass_rows(engine, counts: list[int], context: int = 700) -> None:
     """One pass of n new rows after ``context`` tokens, per n (never committed: each pass
     writes the same positions again), and the output head's product of n rows alone."""
-    def median_ms(function, repeats: int = 9) -> float:
-        times = []
-        for _ in range(repeats):
-            start = time.perf_counter()
-            function()
-            times.append(time.perf_counter() - start)
-        return 1000 * statistics.median(times)
+    def median_ms(function) -> float:
+        return 1000 * median_seconds(function, repeats=9)
 
     blocks = engine.cache.reserve(context + max(counts) + 1, context + max(counts) + 1)
     head = engine.model.get_output_embeddings()
@@ -167,15 +174,8 @@ def try_compile(width: int = 640) -> None:
         levels, scales, residual = quantize_rows(x)
         return torch.cat(levels), torch.cat(scales), residual
 
-    def median_us(function, x, calls: int = 300) -> float:
-        for _ in range(10):
-            function(x)
-        times = []
-        for _ in range(calls):
-            start = time.perf_counter()
-            function(x)
-            times.append(time.perf_counter() - start)
-        return 1e6 * statistics.median(times)
+    def median_us(function, x) -> float:
+        return 1e6 * median_seconds(lambda: function(x), repeats=300, warmup=10)
 
     compiled = torch.compile(quantize, dynamic=True)
     start = time.perf_counter()
