@@ -47,6 +47,7 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS  # noqa: E402
 from foretell.proxy.engine import GenerationRequest, SpeculativeEngine  # noqa: E402
 from foretell.proxy.engine import invariant_linear, invariant_norm, kv_cache  # noqa: E402
 from foretell.proxy.engine.forward import forward_pass  # noqa: E402
+from foretell.proxy.engine.kernel_timing import median_seconds  # noqa: E402
 from foretell.proxy.engine.model_loader import load_model  # noqa: E402
 
 PROMPT = "".join(f"def function_{i}(value):\n    return value * {i} + {i * i}\n\n" for i in range(12))
@@ -130,23 +131,11 @@ def prefill(engine, tokenizer, tokens: int) -> None:
         print(f"  in {call}: {1000 * seconds / 3:.0f} ms a prefill")
 
 
-def median_seconds(function, repeats: int, warmup: int = 0) -> float:
-    """The median wall time of ``repeats`` calls of ``function()``, after ``warmup`` untimed ones."""
-    for _ in range(warmup):
-        function()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        function()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
-
-
 def pass_rows(engine, counts: list[int], context: int = 700) -> None:
     """One pass of n new rows after ``context`` tokens, per n (never committed: each pass
     writes the same positions again), and the output head's product of n rows alone."""
     def median_ms(function) -> float:
-        return 1000 * median_seconds(function, repeats=9)
+        return 1000 * median_seconds(function, repeats=9, warmup=0)
 
     blocks = engine.cache.reserve(context + max(counts) + 1, context + max(counts) + 1)
     head = engine.model.get_output_embeddings()

@@ -52,8 +52,10 @@ def describe_cpu() -> dict:
     return {"model": cpu_model(), "features": cpu_features(), "threads": torch.get_num_threads()}
 
 
-def _median_seconds(run, repeats: int = 5) -> float:
-    run()  # warm-up
+def median_seconds(run, repeats: int = 5, warmup: int = 1) -> float:
+    """The median wall time of ``repeats`` calls of ``run()``, after ``warmup`` untimed ones."""
+    for _ in range(warmup):
+        run()
     times = []
     for _ in range(repeats):
         started = time.perf_counter()
@@ -75,8 +77,8 @@ def time_kernels(out_features: int, in_features: int) -> dict[str, float]:
     with torch.inference_mode():
         for rows in TIMED_ROWS:
             x = torch.randn(rows, in_features, generator=generator)
-            result["float32"] += _median_seconds(lambda: torch.nn.functional.linear(x, linear.weight))
-            result["int8"] += _median_seconds(lambda: integer(x))
+            result["float32"] += median_seconds(lambda: torch.nn.functional.linear(x, linear.weight))
+            result["int8"] += median_seconds(lambda: integer(x))
     return result
 
 
