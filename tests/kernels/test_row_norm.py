@@ -100,3 +100,13 @@ def test_only_the_int8_precision_uses_them(tiny_model):
     quantize_weights(model, "int8")
     assert sum(isinstance(m, RowInvariantRMSNorm) for m in model.modules()) == norms > 0
     assert not any(type(m).__name__ == "Gemma3RMSNorm" for m in model.modules())
+
+
+def test_bad_inputs_are_refused():
+    x = torch.randn(3, 64)
+    with pytest.raises(AssertionError, match="weight"):
+        rms_norm(x, torch.ones(63), 1e-6, 1.0)
+    with pytest.raises(AssertionError, match="float32"):
+        rms_norm(x.to(torch.bfloat16), torch.ones(64, dtype=torch.bfloat16), 1e-6, 1.0)
+    with pytest.raises(RuntimeError, match="contiguous float32"):
+        native_module().rms_norm(x.t(), torch.ones(3), 1e-6, 1.0)  # the loop's own check
