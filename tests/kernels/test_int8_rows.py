@@ -40,6 +40,22 @@ def test_quantization_gives_the_torch_operations_bits(width, n):
     assert torch.equal(residual, reference_residual)
 
 
+@pytest.mark.parametrize("width", [16, 37, 641])
+def test_the_largest_magnitude_is_found_in_every_lane_and_in_the_tail(width):
+    """The row's largest |x| (which sets its scale) taken 16 lanes at a time, then the tail:
+    wherever it sits and whatever its sign, the scales are torch's."""
+    generator = torch.Generator().manual_seed(width)
+    for place in sorted({0, 7, 15, width // 2, width - 1}):
+        for sign in (1.0, -1.0):
+            x = torch.randn(2, width, generator=generator)
+            x[:, place] = 50.0 * sign
+            x[1, (place + 1) % width] = -0.0
+            _, scales, _ = native_int8_rows().quantize_rows(x, 2, float(ACTIVATION_LEVEL))
+            _, reference_scales, _ = quantize_rows(x, 2)
+            assert torch.equal(scales, torch.stack(reference_scales)), (place, sign)
+            assert float(scales[0, 0, 0]) == pytest.approx(50.0 / ACTIVATION_LEVEL)  # it was the largest
+
+
 @pytest.mark.parametrize("shape,bias", [((1536, 640), False), ((640, 2048), True), ((300, 64), True), ((29, 37), True)])
 def test_the_layer_gives_the_torch_operations_bits(shape, bias):
     out_features, in_features = shape
