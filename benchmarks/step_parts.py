@@ -18,7 +18,8 @@ three, with the time spent in each native loop (``foretell/kernels/*.cpp``) duri
 
 ``--pass-rows 1,8,16`` also times one pass of each number of new rows (logits for all of them,
 as a verify pass has) after a 700-token context, median of nine, and the int8 output head's
-product alone at those rows.
+product alone at those rows; each both with the head's rows in calls of ``rows_per_call``, as it
+runs, and in one FBGEMM call.
 
 ``--torch-norm`` keeps the model's own RMSNorms instead of ``row_norm.cpp``'s.
 ``--torch-attention`` times the batch-invariant attention as torch operations instead of the
@@ -133,25 +134,44 @@ def prefill(engine, tokenizer, tokens: int) -> None:
 
 def pass_rows(engine, counts: list[int], context: int = 700) -> None:
     """One pass of n new rows after ``context`` tokens, per n (never committed: each pass
-    writes the same positions again), and the output head's product of n rows alone."""
-    def median_ms(function) -> float:
-        return 1000 * median_seconds(function, repeats=9, warmup=0)
-
+    writes the same positions again), and the output head's product of n rows alone; an int8
+    head both as it runs (``rows_per_call`` rows an FBGEMM call) and in one call, in turn."""
     blocks = engine.cache.reserve(context + max(counts) + 1, context + max(counts) + 1)
     head = engine.model.get_output_embeddings()
+    int8_head = isinstance(head, invariant_linear.Int8DynamicLinear)
+    chosen = head.rows_per_call if int8_head else None
     generator = torch.Generator().manual_seed(0)
+
+    def median_ms(function, calls=None) -> float:
+        if int8_head:
+            head.rows_per_call = calls
+        try:
+            return 1000 * median_seconds(function, repeats=9, warmup=0)
+        finally:
+            if int8_head:
+                head.rows_per_call = chosen
+
     try:
         forward_pass(engine.model, engine.cache, [(blocks, torch.randint(10, 1000, (context,)).tolist(), None)],
                      engine.fp32_head)
         blocks.committed = context
         hidden = torch.randn(max(counts), head.in_features, generator=generator)
-        print(f"\n| new rows (after {context} tokens) | pass ms | int8 head alone ms |\n|---|---|---|")
+        print(f"\nthe int8 head's rows a call: {chosen if int8_head else '-'}")
+        print(f"\n| new rows (after {context} tokens) | pass ms | pass ms, head in one call | int8 head alone ms "
+              "| head alone, one call |\n|---|---|---|---|---|")
         for n in counts:
             ids = torch.randint(0, 1000, (n,), generator=generator).tolist()
-            whole = median_ms(lambda: forward_pass(engine.model, engine.cache, [(blocks, ids, 0)], engine.fp32_head))
-            alone = (f"{median_ms(lambda: head.product(hidden[:n])):.1f}"
-                     if isinstance(head, invariant_linear.Int8DynamicLinear) else "-")
-            print(f"| {n} | {whole:.1f} | {alone} |")
+
+            def whole():
+                forward_pass(engine.model, engine.cache, [(blocks, ids, 0)], engine.fp32_head)
+
+            def alone():
+                head.product(hidden[:n])
+
+            figures = [median_ms(whole, chosen), median_ms(whole)]
+            if int8_head:
+                figures += [median_ms(alone, chosen), median_ms(alone)]
+            print("| " + " | ".join([str(n)] + [f"{f:.1f}" for f in figures] + ["-"] * (4 - len(figures))) + " |")
     finally:
         engine.cache.free(blocks)
 

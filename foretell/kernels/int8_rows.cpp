@@ -73,10 +73,12 @@ std::vector<at::Tensor> quantize_rows(const at::Tensor& x, int64_t levels, doubl
   return {quantized, scales, residual};
 }
 
-// integer [L * n, out] float32 (FBGEMM's sums), scales [L, n, 1], bias [out] or empty -> [n, out]:
-// out = integer_0 * s_0, then out = out + (1 * integer_l) * s_l per level (fused, as addcmul), then
-// out + bias, as torch's mul, addcmul and add compute them.
-at::Tensor scale_rows(const at::Tensor& integer, const at::Tensor& scales, const at::Tensor& bias) {
+// integer [L * n, out] float32 (FBGEMM's sums), scales [L, n, 1], bias [out] or empty, into out
+// [n, out] (a contiguous float32 tensor, or rows of one): out = integer_0 * s_0, then
+// out = out + (1 * integer_l) * s_l per level (fused, as addcmul), then out + bias, as torch's mul,
+// addcmul and add compute them. Written into a given tensor so that a product taken in several
+// calls (rows_per_call in invariant_linear.py) scales each call's rows straight into its place.
+void scale_rows_into(const at::Tensor& integer, const at::Tensor& scales, const at::Tensor& bias, at::Tensor out) {
   TORCH_CHECK(integer.dim() == 2 && integer.scalar_type() == at::kFloat && integer.is_contiguous(),
               "integer must be a contiguous float32 [L * n, out] tensor");
   TORCH_CHECK(scales.dim() == 3 && scales.scalar_type() == at::kFloat && scales.is_contiguous(),
@@ -86,7 +88,9 @@ at::Tensor scale_rows(const at::Tensor& integer, const at::Tensor& scales, const
   const bool has_bias = bias.defined() && bias.numel() > 0;
   TORCH_CHECK(!has_bias || (bias.numel() == width && bias.scalar_type() == at::kFloat && bias.is_contiguous()),
               "bias must be a contiguous float32 [out] tensor");
-  at::Tensor out = at::empty({n, width}, integer.options());
+  TORCH_CHECK(out.dim() == 2 && out.size(0) == n && out.size(1) == width && out.scalar_type() == at::kFloat &&
+                  out.is_contiguous(),
+              "out must be a contiguous float32 [n, out] tensor of ", n, " x ", width);
   const float* in = integer.data_ptr<float>();
   const float* s = scales.data_ptr<float>();
   const float* b = has_bias ? bias.data_ptr<float>() : nullptr;
@@ -104,10 +108,18 @@ at::Tensor scale_rows(const at::Tensor& integer, const at::Tensor& scales, const
     if (b != nullptr)
       for (int64_t j = 0; j < width; ++j) o[j] = o[j] + b[j];
   }
+}
+
+// The same into a new [n, out] tensor.
+at::Tensor scale_rows(const at::Tensor& integer, const at::Tensor& scales, const at::Tensor& bias) {
+  TORCH_CHECK(scales.dim() == 3, "scales must be a contiguous float32 [L, n, 1] tensor");
+  at::Tensor out = at::empty({scales.size(1), integer.dim() == 2 ? integer.size(1) : 0}, integer.options());
+  scale_rows_into(integer, scales, bias, out);
   return out;
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("quantize_rows", &quantize_rows, "Rows as levels of small integers with their own scales");
   m.def("scale_rows", &scale_rows, "FBGEMM's integer sums scaled back to float32 rows");
+  m.def("scale_rows_into", &scale_rows_into, "The same, written into rows of a given tensor");
 }

@@ -33,6 +33,7 @@ from __future__ import annotations
 import functools
 import logging
 import warnings
+from pathlib import Path
 
 import torch
 
@@ -43,6 +44,39 @@ WEIGHT_LEVEL = 127
 _UNIT_ROUNDOFF = 2.0 ** -24  # float32
 _NO_BIAS = torch.empty(0)
 log = logging.getLogger("foretell.engine")
+
+
+def last_level_cache_bytes(folder: Path = Path("/sys/devices/system/cpu/cpu0/cache")) -> int | None:
+    """The size of the CPU's largest cache (Linux's sysfs for the first core), or None where it
+    cannot be read."""
+    sizes = []
+    for index in folder.glob("index*"):
+        try:
+            text = (index / "size").read_text().strip()
+        except OSError:
+            continue
+        units = {"K": 2 ** 10, "M": 2 ** 20, "G": 2 ** 30}
+        number, unit = (text[:-1], units[text[-1]]) if text and text[-1] in units else (text, 1)
+        if number.isdigit():
+            sizes.append(int(number) * unit)
+    return max(sizes, default=None)
+
+
+def rows_per_call(out_features: int, levels: int, cache_bytes: int | None) -> int | None:
+    """The most rows one FBGEMM call of this layer takes, None: all. Measured on a Zen 4
+    (docs/benchmarks.md): FBGEMM's call costs ~1.6x a row more once its float32 output passes the
+    last-level cache (32 MiB there; the 262144-token head: 24 integer rows 19.5 ms, 32 rows 31.8,
+    64 rows 78 ms in one call against 46 ms in calls of 24; at half the width the step moved to
+    twice the rows). So a wide layer's product is taken in calls whose integer sums and scaled
+    rows (``levels + 1`` float32 rows of ``out_features`` a row) fill three quarters of it: the
+    head's 32 rows in calls of 8 took 49-51 ms against 66-94 ms in one call. Every row's integer
+    sums are exact and scaled alone, so the calls give the same bits as one."""
+    if cache_bytes is None:
+        return None
+    return max(1, (3 * cache_bytes // 4) // (4 * out_features * (levels + 1)))
+
+
+_CACHE_BYTES = last_level_cache_bytes()  # read once; None: every product in one call
 
 
 def fbgemm_available() -> bool:
@@ -129,6 +163,7 @@ class Int8DynamicLinear(torch.nn.Module):
         self.largest_norms = (float(self.dequantized_norm.max()), float(self.weight_error_norm.max()),
                               float(self.weight_norm.max()))
         self.last_residual_norm: torch.Tensor | None = None  # [n, 1] of the last forward
+        self.rows_per_call = rows_per_call(self.out_features, levels, _CACHE_BYTES)
         native_int8_rows()  # built now, at load, rather than in the first pass
 
     def extra_repr(self) -> str:
@@ -148,13 +183,31 @@ class Int8DynamicLinear(torch.nn.Module):
         native = native_int8_rows()
         if native is not None:  # the same arithmetic as below, one call each side of FBGEMM's
             stacked, scales, residual = native.quantize_rows(rows.contiguous(), self.levels, float(ACTIVATION_LEVEL))
-            integer = torch.ops.quantized.linear_with_input_q_dq_qweight_dq_output_fp32(
-                stacked, 1.0, _ZERO_POINT, self.packed)  # [levels * n, out]
-            out = native.scale_rows(integer, scales, self.bias.float() if self.bias is not None else _NO_BIAS)
+            bias = self.bias.float() if self.bias is not None else _NO_BIAS
+            n, most = rows.shape[0], self.rows_per_call
+            if most is None or n <= most:
+                integer = torch.ops.quantized.linear_with_input_q_dq_qweight_dq_output_fp32(
+                    stacked, 1.0, _ZERO_POINT, self.packed)  # [levels * n, out]
+                out = native.scale_rows(integer, scales, bias)
+            else:
+                out = self._product_in_calls(native, stacked.view(self.levels, n, -1), scales, bias, most)
         else:
             out, residual = self.product_as_torch_operations(rows)
         if self.float_weight is not None:  # the output head: its bound needs the residual
             self.last_residual_norm = residual.norm(dim=-1, keepdim=True)  # [n, 1]
+        return out
+
+    def _product_in_calls(self, native, levels: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor,
+                          most: int) -> torch.Tensor:
+        """The product of rows quantized to ``levels`` [L, n, in] with ``scales`` [L, n, 1], ``most``
+        rows a call, each call's rows scaled into their place in the output [n, out]."""
+        n = levels.shape[1]
+        out = torch.empty(n, self.out_features)
+        for start in range(0, n, most):
+            part = slice(start, min(start + most, n))
+            integer = torch.ops.quantized.linear_with_input_q_dq_qweight_dq_output_fp32(
+                levels[:, part].reshape(-1, levels.shape[-1]), 1.0, _ZERO_POINT, self.packed)  # [L * c, out]
+            native.scale_rows_into(integer, scales[:, part].contiguous(), bias, out[part])
         return out
 
     def product_as_torch_operations(self, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
