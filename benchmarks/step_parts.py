@@ -21,13 +21,16 @@ as a verify pass has) after a 700-token context, median of nine, and the int8 ou
 product alone at those rows; each both with the head's rows in calls of ``rows_per_call``, as it
 runs, and in one FBGEMM call.
 
-``--torch-norm`` keeps the model's own RMSNorms instead of ``row_norm.cpp``'s.
+``--torch-norm`` keeps the model's own RMSNorms instead of ``row_norm.cpp``'s; ``--own-layers``
+transformers' decoder layers instead of ``lean_layers.py``'s one function each (whose parts call
+their modules' forward directly, so the hooks below see only the layers and the norms: pass
+``--own-layers`` for the whole breakdown).
 ``--torch-attention`` times the batch-invariant attention as torch operations instead of the
 native loop (``foretell/kernels/row_attention.cpp``), ``--torch-int8-rows`` the int8 products'
 quantization and scaling as torch operations instead of ``int8_rows.cpp``: to see what each buys.
 
     python benchmarks/step_parts.py [--steps 60] [--dtype auto] [--quantize auto] [--try-compile]
-        [--torch-attention] [--torch-int8-rows] [--torch-norm] [--prefill N]
+        [--torch-attention] [--torch-int8-rows] [--torch-norm] [--own-layers] [--prefill N]
         [--pass-rows 1,2,4,8,16,32]
 """
 
@@ -213,10 +216,14 @@ def main() -> int:
                         help="also time one pass of each number of new rows, and the int8 head alone")
     parser.add_argument("--torch-norm", action="store_true",
                         help="the model's own RMSNorms (torch operations), not the native loop")
+    parser.add_argument("--own-layers", action="store_true",
+                        help="transformers' decoder layers, not lean_layers.py's one function each")
     args = parser.parse_args()
     if args.torch_norm:
         invariant_norm.native_rms_norm = lambda: None  # the load then keeps the model's norms
     loaded = load_model(None, dtype=args.dtype, quantize=args.quantize)
+    if args.own_layers:
+        loaded.model.foretell_lean_layers = False  # decided: the engine keeps them
     engine = SpeculativeEngine(loaded.model, loaded.tokenizer)
     if args.torch_attention:
         engine.cache.row_attention = None
@@ -228,7 +235,8 @@ def main() -> int:
     int8_rows = "native" if invariant_linear.native_int8_rows() is not None else "torch operations"
     norms = sum(isinstance(m, invariant_norm.RowInvariantRMSNorm) for m in engine.model.modules())
     print(f"precision {engine.precision}, {len(prompt)} prompt tokens, {torch.get_num_threads()} threads, "
-          f"attention: {attention}, int8 rows: {int8_rows}, native RMSNorms: {norms}")
+          f"attention: {attention}, int8 rows: {int8_rows}, native RMSNorms: {norms}, "
+          f"decoder layers: {'one function each' if engine.lean_layers else 'transformers'}")
     with torch.inference_mode():
         step_times(engine, seq, 5)  # the prefill and a warm-up
         median = statistics.median(step_times(engine, seq, args.steps))

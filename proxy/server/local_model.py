@@ -90,10 +90,10 @@ def default_loader(settings: ServerSettings):
                                    draft_model_name=settings.draft_model or "draft")
         from foretell.proxy.engine.kernel_timing import cpu_features
 
-        log.info("engine precision: %s (batch invariant: %s); kernels: %s; native CPU loops: %s; CPU features: %s",
-                 engine.precision, "yes" if engine.batch_invariant else "no",
+        log.info("engine precision: %s (batch invariant: %s); kernels: %s; native CPU loops: %s; decoder layers: %s; "
+                 "CPU features: %s", engine.precision, "yes" if engine.batch_invariant else "no",
                  ", ".join(engine.kernels.triton) or "torch references", ", ".join(engine.native_loops) or "none",
-                 ", ".join(cpu_features()) or "-")
+                 "one function each" if engine.lean_layers else "transformers'", ", ".join(cpu_features()) or "-")
         if settings.calibrate:  # from the calibration cache when this machine measured it before
             calibrate_with_cache(engine, loaded.source, recalibrate=settings.recalibrate)
             if engine.draft_model is not None:

@@ -274,6 +274,8 @@ def invariant_engine(request, tiny_model, tokenizer):
     if request.param == "int8" and native_rms_norm() is not None:  # /health lists what serves
         assert "rms norm" in engine.native_loops
         assert ("int8 rows" in engine.native_loops) == (native_int8_rows() is not None)
+    if request.param == "int8":  # and on Gemma 3's layers as one function each (lean_layers.py)
+        assert engine.lean_layers
     assert engine.precision == {"int8": "float32/int8+fp32-head", "bfloat16": "bfloat16+fp32-head"}[request.param]
     return engine
 
