@@ -15,6 +15,7 @@ otherwise keeps its own code, with a warning). Any other family keeps transforme
 from __future__ import annotations
 
 import logging
+import types
 
 import torch
 
@@ -30,38 +31,34 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
-def gemma3_layer_forward(layer):
-    """``layer``'s forward (a transformers ``Gemma3DecoderLayer``) as one function; through any
-    cache other than foretell's paged one it defers to the layer's own code."""
-    attention, mlp, own = layer.self_attn, layer.mlp, type(layer).forward
-    head_dim = attention.head_dim
-
-    def forward(hidden_states, position_embeddings=None, attention_mask=None, position_ids=None,
-                cache=None, **kwargs):
-        if not isinstance(cache, PagedKVCache):
-            return own(layer, hidden_states, position_embeddings=position_embeddings,
-                       attention_mask=attention_mask, position_ids=position_ids, cache=cache, **kwargs)
-        residual = hidden_states  # [1, T, hidden]
-        x = layer.input_layernorm.forward(hidden_states)
-        shape = (*x.shape[:-1], -1, head_dim)
-        query = attention.q_proj.forward(x).view(shape).transpose(1, 2)  # [1, heads, T, head_dim]
-        key = attention.k_proj.forward(x).view(shape).transpose(1, 2)  # [1, kv_heads, T, head_dim]
-        value = attention.v_proj.forward(x).view(shape).transpose(1, 2)
-        query, key = attention.q_norm.forward(query), attention.k_norm.forward(key)
-        cos, sin = (part.unsqueeze(1) for part in position_embeddings)  # [1, 1, T, head_dim]
-        query = (query * cos) + (_rotate_half(query) * sin)
-        key = (key * cos) + (_rotate_half(key) * sin)
-        cache.update(key, value, attention.layer_idx)
-        out, _ = paged_attention(attention, query, key, value, attention_mask, scaling=attention.scaling,
-                                 foretell_cache=cache)  # [1, T, heads, head_dim]
-        out = attention.o_proj.forward(out.reshape(*x.shape[:-1], -1).contiguous())
-        hidden_states = residual + layer.post_attention_layernorm.forward(out)
-        residual = hidden_states
-        x = layer.pre_feedforward_layernorm.forward(hidden_states)
-        x = mlp.down_proj.forward(mlp.act_fn.forward(mlp.gate_proj.forward(x)) * mlp.up_proj.forward(x))
-        return residual + layer.post_feedforward_layernorm.forward(x)
-
-    return forward
+def gemma3_layer_forward(layer, hidden_states, position_embeddings=None, attention_mask=None, position_ids=None,
+                         cache=None, **kwargs):
+    """A transformers ``Gemma3DecoderLayer``'s forward as one function, bound to the layer as its
+    ``forward`` (a bound method, so a deep copy of the model binds the copy); through any cache
+    other than foretell's paged one it defers to the layer's own code."""
+    if not isinstance(cache, PagedKVCache):
+        return type(layer).forward(layer, hidden_states, position_embeddings=position_embeddings,
+                                   attention_mask=attention_mask, position_ids=position_ids, cache=cache, **kwargs)
+    attention, mlp = layer.self_attn, layer.mlp
+    residual = hidden_states  # [1, T, hidden]
+    x = layer.input_layernorm.forward(hidden_states)
+    shape = (*x.shape[:-1], -1, attention.head_dim)
+    query = attention.q_proj.forward(x).view(shape).transpose(1, 2)  # [1, heads, T, head_dim]
+    key = attention.k_proj.forward(x).view(shape).transpose(1, 2)  # [1, kv_heads, T, head_dim]
+    value = attention.v_proj.forward(x).view(shape).transpose(1, 2)
+    query, key = attention.q_norm.forward(query), attention.k_norm.forward(key)
+    cos, sin = (part.unsqueeze(1) for part in position_embeddings)  # [1, 1, T, head_dim]
+    query = (query * cos) + (_rotate_half(query) * sin)
+    key = (key * cos) + (_rotate_half(key) * sin)
+    cache.update(key, value, attention.layer_idx)
+    out, _ = paged_attention(attention, query, key, value, attention_mask, scaling=attention.scaling,
+                             foretell_cache=cache)  # [1, T, heads, head_dim]
+    out = attention.o_proj.forward(out.reshape(*x.shape[:-1], -1).contiguous())
+    hidden_states = residual + layer.post_attention_layernorm.forward(out)
+    residual = hidden_states
+    x = layer.pre_feedforward_layernorm.forward(hidden_states)
+    x = mlp.down_proj.forward(mlp.act_fn.forward(mlp.gate_proj.forward(x)) * mlp.up_proj.forward(x))
+    return residual + layer.post_feedforward_layernorm.forward(x)
 
 
 def _gemma3_layers(model) -> list:
@@ -95,7 +92,7 @@ def use_lean_layers(model, cache: PagedKVCache, fp32_head: bool) -> bool:
     if layers:
         reference = _probe(model, cache, fp32_head)
         for layer in layers:
-            layer.forward = gemma3_layer_forward(layer)
+            layer.forward = types.MethodType(gemma3_layer_forward, layer)
         probe = _probe(model, cache, fp32_head)
         lean = bool(reference) and all(torch.equal(a, b) for a, b in zip(reference, probe))
         if not lean:

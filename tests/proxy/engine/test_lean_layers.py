@@ -80,6 +80,33 @@ def test_another_cache_gets_the_layers_own_code(engines):
     assert greedy_reference(lean.model, prompt, 12) == greedy_reference(own.model, prompt, 12)
 
 
+def test_a_copied_model_computes_with_its_own_layers(engines, tokenizer):
+    """The one function is bound to its layer: a deep copy of the model runs the copy's weights
+    (a closure over the first model's modules would keep running those)."""
+    lean, _ = engines
+    copied = copy.deepcopy(lean.model)
+    for layer, original in zip(_lean_layers(copied), _lean_layers(lean.model)):
+        assert layer.forward.__self__ is layer and layer is not original
+    with torch.no_grad():
+        for layer in _lean_layers(copied):
+            layer.post_feedforward_layernorm.weight.add_(0.5)  # (1 + w) times the normed rows
+    engine = SpeculativeEngine(copied, tokenizer)
+    assert engine.lean_layers
+    ids = [2, 651, 1234, 88, 9012, 17]
+    copy_logits, original_logits = (
+        _one_pass(e, ids) for e in (engine, lean))
+    assert not torch.equal(copy_logits, original_logits)
+
+
+@torch.inference_mode()
+def _one_pass(engine, ids):
+    blocks = engine.cache.reserve(len(ids), len(ids))
+    try:
+        return forward_pass(engine.model, engine.cache, [(blocks, ids, 0)], engine.fp32_head)
+    finally:
+        engine.cache.free(blocks)
+
+
 def test_a_layer_function_that_computes_otherwise_is_not_taken(tiny_model, tokenizer, monkeypatch, caplog):
     """The probe at start compares logits bit for bit: a rotation with the halves' signs swapped
     (a plausible slip) must be caught, and the layers keep their own code."""
