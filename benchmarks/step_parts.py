@@ -21,7 +21,8 @@ as a verify pass has) after a 700-token context, median of nine, and the int8 ou
 product alone at those rows; each both with the head's rows in calls of ``rows_per_call``, as it
 runs, and in one FBGEMM call.
 
-``--torch-norm`` keeps the model's own RMSNorms instead of ``row_norm.cpp``'s; ``--own-layers``
+``--torch-candidates`` finds the head's rescoring candidates with topk instead of
+``head_candidates.cpp``. ``--torch-norm`` keeps the model's own RMSNorms instead of ``row_norm.cpp``'s; ``--own-layers``
 transformers' decoder layers instead of ``lean_layers.py``'s one function each (whose parts call
 their modules' forward directly, so the hooks below see only the layers and the norms: pass
 ``--own-layers`` for the whole breakdown).
@@ -30,7 +31,7 @@ native loop (``foretell/kernels/row_attention.cpp``), ``--torch-int8-rows`` the 
 quantization and scaling as torch operations instead of ``int8_rows.cpp``: to see what each buys.
 
     python benchmarks/step_parts.py [--steps 60] [--dtype auto] [--quantize auto] [--try-compile]
-        [--torch-attention] [--torch-int8-rows] [--torch-norm] [--own-layers] [--prefill N]
+        [--torch-attention] [--torch-int8-rows] [--torch-norm] [--torch-candidates] [--own-layers] [--prefill N]
         [--pass-rows 1,2,4,8,16,32]
 """
 
@@ -49,7 +50,7 @@ import torch  # noqa: E402
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS  # noqa: E402
 
 from foretell.proxy.engine import GenerationRequest, SpeculativeEngine  # noqa: E402
-from foretell.proxy.engine import invariant_linear, invariant_norm, kv_cache  # noqa: E402
+from foretell.proxy.engine import invariant_linear, invariant_norm, kv_cache, precision  # noqa: E402
 from foretell.proxy.engine.forward import forward_pass  # noqa: E402
 from foretell.proxy.engine.kernel_timing import median_seconds  # noqa: E402
 from foretell.proxy.engine.model_loader import load_model  # noqa: E402
@@ -216,9 +217,13 @@ def main() -> int:
                         help="also time one pass of each number of new rows, and the int8 head alone")
     parser.add_argument("--torch-norm", action="store_true",
                         help="the model's own RMSNorms (torch operations), not the native loop")
+    parser.add_argument("--torch-candidates", action="store_true",
+                        help="the head's rescoring finds its candidates with topk, not the native search")
     parser.add_argument("--own-layers", action="store_true",
                         help="transformers' decoder layers, not lean_layers.py's one function each")
     args = parser.parse_args()
+    if args.torch_candidates:
+        precision.native_head_candidates = lambda: None  # rescore_in_fp32 then takes topk's way
     if args.torch_norm:
         invariant_norm.native_rms_norm = lambda: None  # the load then keeps the model's norms
     loaded = load_model(None, dtype=args.dtype, quantize=args.quantize)

@@ -29,6 +29,7 @@ EXTENSIONS = {  # source stem: what it is, for the messages
     "row_attention": "the native attention loop",
     "int8_rows": "the native int8 row quantization",
     "row_norm": "the native RMSNorm",
+    "head_candidates": "the native search of the head's candidates",
 }
 
 log = logging.getLogger("foretell.kernels")

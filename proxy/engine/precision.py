@@ -28,6 +28,7 @@ bf16 (AVX512-BF16 or AMX), else float32.
 
 from __future__ import annotations
 
+import functools
 import logging
 from typing import Callable
 
@@ -233,8 +234,8 @@ def quantize_weights(model, mode: str, fp32_head: bool = False) -> int:
 _RELATIVE_ERROR = {torch.bfloat16: 2.0 ** -7, torch.float16: 2.0 ** -10}
 _ABSOLUTE_ERROR = 1e-3
 _RESCORE_CHUNK = 4096  # candidates scored at once where a flat row has thousands
-_CANDIDATES = 64  # looked for with topk; a row with more is searched in full (an int8 head has
-# ~26 a row, p90 ~330, on the embedded model: 64 halves the rescoring of a 65-row pass against 4)
+_CANDIDATES = 64  # without the native search: looked for with topk, a row with more searched in
+# full (64 halves the rescoring of a 65-row pass against 4)
 
 
 def head_rows(head) -> Callable[[torch.Tensor], torch.Tensor] | None:
@@ -279,18 +280,40 @@ def rescore_in_fp32(hidden: torch.Tensor, rows_of: Callable[[torch.Tensor], torc
     token j holds the largest float32 logit and t the largest approximate one, then
     logits_j >= f32_j - E_j >= f32_t - E_j >= logits_t - E_t - E_j: every token that meets
     ``logits_j + E_j >= logits_t - E_t`` is rescored (found among those above
-    ``logits_t - E_t - max E``), so the largest float32 product is exact. Greedy tokens then follow
-    float32 products of the hidden state, not the head's rounding (bf16 rounds to 1/8 at
-    |logit| ~ 20 and so ties at the top, where the first index would win). The other tokens keep
-    their approximate logits (the tail of a sampled distribution). Float32 ``logits`` (a fresh
-    product, as the int8 head's) are rescored in place rather than copied: 1 MB a row."""
+    ``logits_t - E_t - max E``: by ``head_candidates.cpp`` on a CPU, one pass a row for its top
+    and one for the tokens above that line, else topk and a search of the rows it does not
+    cover), so the largest float32 product is exact. Greedy tokens then follow float32 products
+    of the hidden state, not the head's rounding (bf16 rounds to 1/8 at |logit| ~ 20 and so ties
+    at the top, where the first index would win). The other tokens keep their approximate logits
+    (the tail of a sampled distribution). Float32 ``logits`` (a fresh product, as the int8
+    head's) are rescored in place rather than copied: 1 MB a row."""
     scores = logits.float()  # [n, V]
-    best = scores.topk(min(_CANDIDATES, scores.shape[-1]), dim=-1)  # values, indices [n, 64]
-    top, leader = best.values[:, :1], best.indices[:, :1]  # [n, 1]
+    native = native_head_candidates() if scores.device.type == "cpu" and scores.is_contiguous() else None
+    if native is not None:  # one pass a row for its top, one for the tokens above the line
+        top, leader = native.row_tops(scores)  # [n, 1] each
+    else:
+        best = scores.topk(min(_CANDIDATES, scores.shape[-1]), dim=-1)  # values, indices [n, 64]
+        top, leader = best.values[:, :1], best.indices[:, :1]  # [n, 1]
     bound = bound if bound is not None else RoundingBound(logits, top)
     rows_n = torch.arange(scores.shape[0], device=scores.device)
     floor = top - bound.at(rows_n, leader[:, 0])[:, None]  # [n, 1]: logits_t - E_t
     line = floor - bound.largest()  # [n, 1]
+    if native is not None:
+        rows, cols = native.at_or_above(scores, line[:, 0].float().contiguous())  # [c] each
+    else:
+        rows, cols = _above_the_line(scores, best, line, rows_n)
+    keep = scores[rows, cols] + bound.at(rows, cols) >= floor[rows, 0]  # the exact test per token
+    rows, cols = rows[keep], cols[keep]
+    for start in range(0, rows.numel(), _RESCORE_CHUNK):
+        r, c = rows[start:start + _RESCORE_CHUNK], cols[start:start + _RESCORE_CHUNK]
+        exact = (hidden[r].float() * rows_of(c)).sum(dim=-1)  # [chunk]
+        scores[r, c] = exact if bias is None else exact + bias[c].float()
+    return scores
+
+
+def _above_the_line(scores, best, line, rows_n) -> tuple[torch.Tensor, torch.Tensor]:
+    """Every (row, token) of ``scores`` [n, V] at or above its row's ``line`` [n, 1], as torch
+    operations: from the topk ``best`` [n, 64] where a row has fewer, else a search of the row."""
     above = best.values >= line  # [n, 64]
     full = above[:, -1].clone()  # [n]: rows with more candidates than topk returned
     above &= ~full[:, None]  # those are searched in full below, not rescored twice
@@ -300,10 +323,12 @@ def rescore_in_fp32(hidden: torch.Tensor, rows_of: Callable[[torch.Tensor], torc
     if crowded.numel():  # find them all (thousands in a flat row)
         more_rows, more_cols = torch.nonzero(scores[crowded] >= line[crowded], as_tuple=True)
         rows, cols = torch.cat([rows, crowded[more_rows]]), torch.cat([cols, more_cols])
-    keep = scores[rows, cols] + bound.at(rows, cols) >= floor[rows, 0]  # the exact test per token
-    rows, cols = rows[keep], cols[keep]
-    for start in range(0, rows.numel(), _RESCORE_CHUNK):
-        r, c = rows[start:start + _RESCORE_CHUNK], cols[start:start + _RESCORE_CHUNK]
-        exact = (hidden[r].float() * rows_of(c)).sum(dim=-1)  # [chunk]
-        scores[r, c] = exact if bias is None else exact + bias[c].float()
-    return scores
+    return rows, cols
+
+
+@functools.lru_cache(maxsize=None)
+def native_head_candidates():
+    """The native search (``foretell/kernels/head_candidates.cpp``), or None where it cannot be built."""
+    from foretell.kernels.cpu_native import load_native
+
+    return load_native("head_candidates")
