@@ -22,17 +22,17 @@ product alone at those rows; each both with the head's rows in calls of ``rows_p
 runs, and in one FBGEMM call.
 
 ``--torch-candidates`` finds the head's rescoring candidates with topk instead of
-``head_candidates.cpp``. ``--torch-norm`` keeps the model's own RMSNorms instead of ``row_norm.cpp``'s; ``--own-layers``
-transformers' decoder layers instead of ``lean_layers.py``'s one function each (whose parts call
-their modules' forward directly, so the hooks below see only the layers and the norms: pass
-``--own-layers`` for the whole breakdown).
+``head_candidates.cpp``. ``--torch-norm`` keeps the model's own RMSNorms instead of
+``row_norm.cpp``'s; ``--own-layers`` transformers' decoder layers instead of ``lean_layers.py``'s
+one function each (whose parts call their modules' forward directly, so the hooks below see only
+the layers and the norms: pass ``--own-layers`` for the whole breakdown).
 ``--torch-attention`` times the batch-invariant attention as torch operations instead of the
 native loop (``foretell/kernels/row_attention.cpp``), ``--torch-int8-rows`` the int8 products'
 quantization and scaling as torch operations instead of ``int8_rows.cpp``: to see what each buys.
 
     python benchmarks/step_parts.py [--steps 60] [--dtype auto] [--quantize auto] [--try-compile]
-        [--torch-attention] [--torch-int8-rows] [--torch-norm] [--torch-candidates] [--own-layers] [--prefill N]
-        [--pass-rows 1,2,4,8,16,32]
+        [--torch-attention] [--torch-int8-rows] [--torch-norm] [--torch-candidates] [--own-layers]
+        [--prefill N] [--pass-rows 1,2,4,8,16,32]
 """
 
 from __future__ import annotations

@@ -51,7 +51,8 @@ from foretell.proxy.engine.draft_model import DraftModel
 from foretell.proxy.engine.forward import forward_pass, measure_pass_cost
 from foretell.proxy.engine.kv_cache import CacheFullError, PagedKVCache, SequenceBlocks
 from foretell.proxy.engine.lean_layers import use_lean_layers
-from foretell.proxy.engine.precision import default_fp32_head, describe, head_rows
+from foretell.proxy.engine.precision import (default_fp32_head, describe, head_rows,
+                                             native_head_candidates)
 from foretell.proxy.engine.prompt_logprob_cache import PromptLogprobCache
 from foretell.proxy.engine.sampling import SpeculativeSampler
 from foretell.proxy.engine.verify import VerifyRows, verify_step
@@ -109,6 +110,8 @@ class SpeculativeEngine:
         # attention is made so too (invariant_attention.py).
         self.batch_invariant = bool(getattr(model, "foretell_batch_invariant", False))
         self.fp32_head = _fp32_head(model, self.dtype, self.quantization, fp32_head)
+        if self.fp32_head:
+            native_head_candidates()  # loaded now (built by setup), rather than in the first pass
         self.tokenizer = tokenizer
         self.device = next(model.parameters()).device
         self.prefill_chunk = prefill_chunk

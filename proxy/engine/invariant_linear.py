@@ -49,13 +49,12 @@ log = logging.getLogger("foretell.engine")
 def last_level_cache_bytes(folder: Path = Path("/sys/devices/system/cpu/cpu0/cache")) -> int | None:
     """The size of the CPU's largest cache (Linux's sysfs for the first core), or None where it
     cannot be read."""
-    sizes = []
+    sizes, units = [], {"K": 2 ** 10, "M": 2 ** 20, "G": 2 ** 30}
     for index in folder.glob("index*"):
         try:
             text = (index / "size").read_text().strip()
         except OSError:
             continue
-        units = {"K": 2 ** 10, "M": 2 ** 20, "G": 2 ** 30}
         number, unit = (text[:-1], units[text[-1]]) if text and text[-1] in units else (text, 1)
         if number.isdigit():
             sizes.append(int(number) * unit)
@@ -184,24 +183,22 @@ class Int8DynamicLinear(torch.nn.Module):
         if native is not None:  # the same arithmetic as below, one call each side of FBGEMM's
             stacked, scales, residual = native.quantize_rows(rows.contiguous(), self.levels, float(ACTIVATION_LEVEL))
             bias = self.bias.float() if self.bias is not None else _NO_BIAS
-            n, most = rows.shape[0], self.rows_per_call
-            if most is None or n <= most:
-                integer = torch.ops.quantized.linear_with_input_q_dq_qweight_dq_output_fp32(
-                    stacked, 1.0, _ZERO_POINT, self.packed)  # [levels * n, out]
-                out = native.scale_rows(integer, scales, bias)
-            else:
-                out = self._product_in_calls(native, stacked.view(self.levels, n, -1), scales, bias, most)
+            out = self._product_in_calls(native, stacked.view(self.levels, rows.shape[0], self.in_features),
+                                         scales, bias)
         else:
             out, residual = self.product_as_torch_operations(rows)
         if self.float_weight is not None:  # the output head: its bound needs the residual
             self.last_residual_norm = residual.norm(dim=-1, keepdim=True)  # [n, 1]
         return out
 
-    def _product_in_calls(self, native, levels: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor,
-                          most: int) -> torch.Tensor:
-        """The product of rows quantized to ``levels`` [L, n, in] with ``scales`` [L, n, 1], ``most``
-        rows a call, each call's rows scaled into their place in the output [n, out]."""
+    def _product_in_calls(self, native, levels: torch.Tensor, scales: torch.Tensor,
+                          bias: torch.Tensor) -> torch.Tensor:
+        """The product of rows quantized to ``levels`` [L, n, in] with ``scales`` [L, n, 1],
+        ``rows_per_call`` rows an FBGEMM call (one call for them all where it is None or above n;
+        the slices are then the whole tensors, no copies), each call's rows scaled into their
+        place in the output [n, out]."""
         n = levels.shape[1]
+        most = self.rows_per_call or max(n, 1)  # (a pass may want no rows at all)
         out = torch.empty(n, self.out_features)
         for start in range(0, n, most):
             part = slice(start, min(start + most, n))

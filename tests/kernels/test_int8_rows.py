@@ -84,6 +84,7 @@ def test_a_product_taken_in_several_calls_gives_the_bits_of_one(most):
         reference, reference_residual = layer.product_as_torch_operations(x)
         assert torch.equal(native, reference), f"{n} rows, {most} a call"
         assert torch.equal(residual_norm, reference_residual.norm(dim=-1, keepdim=True))
+    assert layer.product(torch.empty(0, 64)).shape == (0, 300)  # a pass that wants no rows
 
 
 def test_rows_per_call_keeps_a_calls_output_within_three_quarters_of_the_cache():
