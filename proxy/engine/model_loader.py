@@ -235,6 +235,29 @@ def converted_folder_for_gguf(gguf_path: Path, sha256: str | None = None, dtype=
     return folder
 
 
+# Tokenizers loaded in this process, by folder and the state of its tokenizer files: transformers
+# parses Gemma 3's 33 MB tokenizer.json three times over (~3 s on 2 cores), and one process may
+# load a folder's model more than once (a route table's precisions of one model, a test session's
+# servers). Shared, not copied (a deep copy costs ~2 s): nothing in foretell changes a tokenizer
+# after loading, and a caller that wants another chat template changes a copy.
+_tokenizers: dict[tuple, object] = {}
+
+
+def load_tokenizer(folder: Path):
+    """``AutoTokenizer.from_pretrained(folder)``, once per process while the folder's tokenizer
+    files stay as they were (their names, sizes and modification times are the key)."""
+    from transformers import AutoTokenizer
+
+    folder = Path(folder).resolve()
+    files = tuple(sorted((entry.name, entry.stat().st_size, entry.stat().st_mtime_ns)
+                         for entry in folder.iterdir() if entry.name.startswith(("tokenizer", "special_tokens",
+                                                                                 "chat_template", "added_tokens"))))
+    key = (str(folder), files)
+    if key not in _tokenizers:
+        _tokenizers[key] = AutoTokenizer.from_pretrained(str(folder), local_files_only=True)
+    return _tokenizers[key]
+
+
 def resolve_model_folder(model: str | None) -> tuple[str, Path]:
     """Turn a model spec (``proxy/model_spec.py``) into (served name, local Hugging Face folder)."""
     kind, path = model_kind(model)
@@ -257,7 +280,7 @@ def load_model(model: str | None = None, device: str | None = None, dtype=None,
     ``precision.quantize_weights``), or ``auto``: with ``dtype="auto"`` measured
     (``precision.resolve_quantize``), beside a dtype asked for by name none."""
     import torch
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoConfig, AutoModelForCausalLM
 
     from foretell.proxy.engine.precision import (
         check_quantize, cpu_has_native_bf16, describe, quantize_weights, resolve_dtype, resolve_quantize)
@@ -277,7 +300,7 @@ def load_model(model: str | None = None, device: str | None = None, dtype=None,
     elif not isinstance(dtype, torch.dtype):
         dtype = resolve_dtype(dtype, device, quantize)
     started = time.perf_counter()
-    tokenizer = AutoTokenizer.from_pretrained(str(folder), local_files_only=True)
+    tokenizer = load_tokenizer(folder)
     target = AutoModelForCausalLM.from_pretrained(str(folder), dtype=dtype, local_files_only=True).to(device)
     target.eval()
     quantize_weights(target, quantize, fp32_head=bool(fp32_head))
