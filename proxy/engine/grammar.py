@@ -22,11 +22,15 @@ while it computes them.
 from __future__ import annotations
 
 import threading
+import weakref
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import numpy as np
 import torch
 
+# llguidance tables by (id of the tokenizer, vocabulary size, EOS ids), each beside a weak
+# reference to its tokenizer: an id is reused once its object is gone, and a new tokenizer at an
+# old address must not get the old one's table.
 _TOKENIZERS: dict = {}
 _TOKENIZERS_LOCK = threading.Lock()
 
@@ -39,13 +43,14 @@ def grammar_tokenizer(tokenizer, vocab_size: int, eos_ids: frozenset[int]):
 
     key = (id(tokenizer), vocab_size, eos_ids)
     with _TOKENIZERS_LOCK:
-        if key not in _TOKENIZERS:
+        owner, table = _TOKENIZERS.get(key, (None, None))
+        if owner is None or owner() is not tokenizer:
             backend = getattr(tokenizer, "backend_tokenizer", None)
             if backend is None:
                 raise ValueError("structured output needs a fast (Rust) tokenizer; this model's is not one")
-            _TOKENIZERS[key] = llguidance.hf.from_tokenizer(tokenizer, n_vocab=vocab_size,
-                                                            eos_token=sorted(eos_ids))
-        return _TOKENIZERS[key]
+            table = llguidance.hf.from_tokenizer(tokenizer, n_vocab=vocab_size, eos_token=sorted(eos_ids))
+            _TOKENIZERS[key] = (weakref.ref(tokenizer), table)
+        return table
 
 
 def json_grammar(schema: dict | None) -> str:

@@ -267,3 +267,29 @@ def test_the_embedded_model_under_a_schema_equals_its_oracle(embedded, draft):
                                                grammar=Grammar(llg, json_grammar(schema), model.config.vocab_size)))
     assert_greedy_equal(model, prompt_ids, result.token_ids, reference, 5e-3)
     assert json.loads(result.text)["city"]
+
+
+def test_the_grammar_table_is_built_once_per_tokenizer_and_never_for_another_at_its_address(tiny, tiny_model,
+                                                                                             tokenizer):
+    import weakref
+
+    from foretell.proxy.engine import grammar
+
+    engine, llg = tiny
+    vocab_size, eos = tiny_model.config.vocab_size, engine.eos_token_ids
+    assert grammar_tokenizer(tokenizer, vocab_size, eos) is llg
+    # What an id's reuse leaves behind: an entry at this tokenizer's id whose owner is another
+    # object (here one already gone). It must be rebuilt, not handed out.
+    class Gone:
+        pass
+
+    stale = Gone()
+    key = (id(tokenizer), vocab_size, eos)
+    saved = grammar._TOKENIZERS[key]
+    try:
+        grammar._TOKENIZERS[key] = (weakref.ref(stale), "the table of another tokenizer")
+        del stale
+        rebuilt = grammar_tokenizer(tokenizer, vocab_size, eos)
+        assert rebuilt != "the table of another tokenizer" and rebuilt is not llg
+    finally:
+        grammar._TOKENIZERS[key] = saved
