@@ -54,15 +54,19 @@ def live_server(model_folder, log_path: Path, *args: str, env: dict | None = Non
     server = LiveServer(f"http://127.0.0.1:{port}", port, process, log_path)
     try:
         deadline = time.time() + timeout
-        while True:
-            if process.poll() is not None:
-                raise RuntimeError("foretell serve exited:\n" + server.log())
-            with contextlib.suppress(httpx.TransportError):
-                if httpx.get(server.base + "/health", timeout=2).status_code == 200:
-                    break
-            if time.time() > deadline:
-                raise RuntimeError("foretell serve did not become healthy:\n" + server.log())
-            time.sleep(0.1)
+        # One client for the whole wait: each new httpx client builds an SSL context (~40 ms of
+        # CPU, even for http://), which polled ten times a second took a third of a core from the
+        # server starting beside it.
+        with httpx.Client(timeout=2) as poll:
+            while True:
+                if process.poll() is not None:
+                    raise RuntimeError("foretell serve exited:\n" + server.log())
+                with contextlib.suppress(httpx.TransportError):
+                    if poll.get(server.base + "/health").status_code == 200:
+                        break
+                if time.time() > deadline:
+                    raise RuntimeError("foretell serve did not become healthy:\n" + server.log())
+                time.sleep(0.1)
         yield server
     finally:
         process.terminate()
