@@ -89,9 +89,9 @@ def embedded_folder(tmp_path_factory):
 @pytest.fixture(scope="session")
 def tokenizer(embedded_folder):
     """The real Gemma 3 tokenizer: tiny test models share it, so their text is real text."""
-    from foretell.proxy.engine.model_loader import load_tokenizer
+    from foretell.proxy.engine.model_loader import shared_tokenizer
 
-    return load_tokenizer(embedded_folder)  # the one load_model(None) in this process shares
+    return shared_tokenizer(embedded_folder)  # the one load_model(None) in this process shares
 
 
 @pytest.fixture(scope="session")

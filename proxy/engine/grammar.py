@@ -28,10 +28,9 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import numpy as np
 import torch
 
-# llguidance tables by (id of the tokenizer, vocabulary size, EOS ids), each beside a weak
-# reference to its tokenizer: an id is reused once its object is gone, and a new tokenizer at an
-# old address must not get the old one's table.
-_TOKENIZERS: dict = {}
+# llguidance tables by tokenizer, then by (vocabulary size, EOS ids). Weak keys: a table goes with
+# its tokenizer, and a new tokenizer never gets an old one's table (as it could by a reused id).
+_TOKENIZERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 _TOKENIZERS_LOCK = threading.Lock()
 
 
@@ -41,16 +40,15 @@ def grammar_tokenizer(tokenizer, vocab_size: int, eos_ids: frozenset[int]):
     built off the engine's thread (the server does it beside the prompt)."""
     import llguidance.hf
 
-    key = (id(tokenizer), vocab_size, eos_ids)
     with _TOKENIZERS_LOCK:
-        owner, table = _TOKENIZERS.get(key, (None, None))
-        if owner is None or owner() is not tokenizer:
+        tables = _TOKENIZERS.setdefault(tokenizer, {})
+        if (vocab_size, eos_ids) not in tables:
             backend = getattr(tokenizer, "backend_tokenizer", None)
             if backend is None:
                 raise ValueError("structured output needs a fast (Rust) tokenizer; this model's is not one")
-            table = llguidance.hf.from_tokenizer(tokenizer, n_vocab=vocab_size, eos_token=sorted(eos_ids))
-            _TOKENIZERS[key] = (weakref.ref(tokenizer), table)
-        return table
+            tables[vocab_size, eos_ids] = llguidance.hf.from_tokenizer(tokenizer, n_vocab=vocab_size,
+                                                                       eos_token=sorted(eos_ids))
+        return tables[vocab_size, eos_ids]
 
 
 def json_grammar(schema: dict | None) -> str:

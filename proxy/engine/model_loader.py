@@ -243,16 +243,15 @@ def converted_folder_for_gguf(gguf_path: Path, sha256: str | None = None, dtype=
 _tokenizers: dict[tuple, object] = {}
 
 
-def load_tokenizer(folder: Path):
+def shared_tokenizer(folder: Path):
     """``AutoTokenizer.from_pretrained(folder)``, once per process while the folder's tokenizer
     files stay as they were (their names, sizes and modification times are the key)."""
     from transformers import AutoTokenizer
 
     folder = Path(folder).resolve()
-    files = tuple(sorted((entry.name, entry.stat().st_size, entry.stat().st_mtime_ns)
-                         for entry in folder.iterdir() if entry.name.startswith(("tokenizer", "special_tokens",
-                                                                                 "chat_template", "added_tokens"))))
-    key = (str(folder), files)
+    stats = ((entry.name, entry.stat()) for entry in folder.iterdir()
+             if entry.name.startswith(("tokenizer", "special_tokens", "chat_template", "added_tokens")))
+    key = (str(folder), tuple(sorted((name, stat.st_size, stat.st_mtime_ns) for name, stat in stats)))
     if key not in _tokenizers:
         _tokenizers[key] = AutoTokenizer.from_pretrained(str(folder), local_files_only=True)
     return _tokenizers[key]
@@ -300,7 +299,7 @@ def load_model(model: str | None = None, device: str | None = None, dtype=None,
     elif not isinstance(dtype, torch.dtype):
         dtype = resolve_dtype(dtype, device, quantize)
     started = time.perf_counter()
-    tokenizer = load_tokenizer(folder)
+    tokenizer = shared_tokenizer(folder)
     target = AutoModelForCausalLM.from_pretrained(str(folder), dtype=dtype, local_files_only=True).to(device)
     target.eval()
     quantize_weights(target, quantize, fp32_head=bool(fp32_head))

@@ -60,12 +60,9 @@ class Ingress:
         self.tokenizer = await asyncio.to_thread(self._load_tokenizer)
 
     def _load_tokenizer(self):
-        from transformers import AutoTokenizer
+        from foretell.proxy.engine.model_loader import resolve_model_folder, shared_tokenizer
 
-        from foretell.proxy.engine.model_loader import resolve_model_folder
-
-        return AutoTokenizer.from_pretrained(str(resolve_model_folder(self.settings.model)[1]),
-                                             local_files_only=True)
+        return shared_tokenizer(resolve_model_folder(self.settings.model)[1])
 
     def _status_router(self) -> APIRouter:
         router = APIRouter()

@@ -36,18 +36,18 @@ def load_tokenizer(spec: str):
     Returns (tokenizer, EOS ids)."""
     from transformers import AutoTokenizer
 
-    from foretell.proxy.engine.model_loader import EMBEDDED_MODEL_NAME, load_tokenizer, resolve_model_folder
+    from foretell.proxy.engine.model_loader import EMBEDDED_MODEL_NAME, resolve_model_folder, shared_tokenizer
 
     path = Path(spec).expanduser()
     folder = None
     if spec == EMBEDDED_MODEL_NAME:
         folder = resolve_model_folder(None)[1]
-        tokenizer = load_tokenizer(folder)
+        tokenizer = shared_tokenizer(folder)
     elif path.is_file() and path.suffix == ".gguf":
         tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
     elif path.is_dir():
         folder = path
-        tokenizer = load_tokenizer(path)
+        tokenizer = shared_tokenizer(path)
     else:
         tokenizer = AutoTokenizer.from_pretrained(spec)  # a hub name, from the local cache
     eos = {tokenizer.eos_token_id}

@@ -269,8 +269,9 @@ def test_the_embedded_model_under_a_schema_equals_its_oracle(embedded, draft):
     assert json.loads(result.text)["city"]
 
 
-def test_the_grammar_table_is_built_once_per_tokenizer_and_never_for_another_at_its_address(tiny, tiny_model,
-                                                                                             tokenizer):
+def test_the_grammar_table_is_built_once_per_tokenizer_and_goes_with_it(tiny, tiny_model, tokenizer):
+    import copy
+    import gc
     import weakref
 
     from foretell.proxy.engine import grammar
@@ -278,18 +279,13 @@ def test_the_grammar_table_is_built_once_per_tokenizer_and_never_for_another_at_
     engine, llg = tiny
     vocab_size, eos = tiny_model.config.vocab_size, engine.eos_token_ids
     assert grammar_tokenizer(tokenizer, vocab_size, eos) is llg
-    # What an id's reuse leaves behind: an entry at this tokenizer's id whose owner is another
-    # object (here one already gone). It must be rebuilt, not handed out.
-    class Gone:
-        pass
-
-    stale = Gone()
-    key = (id(tokenizer), vocab_size, eos)
-    saved = grammar._TOKENIZERS[key]
-    try:
-        grammar._TOKENIZERS[key] = (weakref.ref(stale), "the table of another tokenizer")
-        del stale
-        rebuilt = grammar_tokenizer(tokenizer, vocab_size, eos)
-        assert rebuilt != "the table of another tokenizer" and rebuilt is not llg
-    finally:
-        grammar._TOKENIZERS[key] = saved
+    before = len(grammar._TOKENIZERS)
+    twin = copy.copy(tokenizer)  # another tokenizer object: its own table, not the first's
+    assert grammar_tokenizer(twin, vocab_size, eos) is not llg
+    assert len(grammar._TOKENIZERS) == before + 1
+    gone = weakref.ref(twin)
+    del twin
+    gc.collect()
+    # Its table went with it: no later tokenizer at its address can be handed that table.
+    assert gone() is None and len(grammar._TOKENIZERS) == before
+    assert grammar_tokenizer(tokenizer, vocab_size, eos) is llg

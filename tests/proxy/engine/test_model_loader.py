@@ -141,14 +141,15 @@ def test_a_folders_tokenizer_is_loaded_once_until_its_files_change(tmp_path, tok
     """load_model shares one tokenizer per folder in a process; a rewritten tokenizer file is
     read again (here a new chat template, which the first object must not show)."""
     tokenizer.save_pretrained(tmp_path)
-    first = model_loader.load_tokenizer(tmp_path)
-    assert model_loader.load_tokenizer(tmp_path) is first
-    assert model_loader.load_tokenizer(tmp_path.parent / ".." / tmp_path.parent.name / tmp_path.name) is first  # the same folder, spelt otherwise
+    first = model_loader.shared_tokenizer(tmp_path)
+    assert model_loader.shared_tokenizer(tmp_path) is first
+    spelt_otherwise = tmp_path.parent / ".." / tmp_path.parent.name / tmp_path.name  # the same folder
+    assert model_loader.shared_tokenizer(spelt_otherwise) is first
     config_path = tmp_path / "tokenizer_config.json"
     config = json.loads(config_path.read_text())
     config["chat_template"] = "{{ messages[0]['content'] }}!"
     config_path.write_text(json.dumps(config))
-    second = model_loader.load_tokenizer(tmp_path)
+    second = model_loader.shared_tokenizer(tmp_path)
     assert second is not first
     messages = [{"role": "user", "content": "hi"}]
     assert second.apply_chat_template(messages, tokenize=False) == "hi!"
