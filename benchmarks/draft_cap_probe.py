@@ -11,33 +11,27 @@ draft-length policy (issue 28), not a benchmark of record.
 
 import statistics
 import sys
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import precision_benchmark as pb  # noqa: E402
 
-from foretell.proxy.engine import GenerationRequest, SpeculativeEngine  # noqa: E402
+from foretell.proxy.engine import SpeculativeEngine  # noqa: E402
 from foretell.proxy.engine.model_loader import load_model  # noqa: E402
 
 
 def main() -> None:
     caps = [int(c) for c in (sys.argv[1] if len(sys.argv) > 1 else "0,16,32").split(",")]
-    loaded = load_model(None, dtype="auto", quantize="auto")
-    prior = SpeculativeEngine(loaded.model, loaded.tokenizer).calibrate()
+    dtype, quantize, fp32_head = pb.PRECISIONS["default"]
+    loaded = load_model(None, dtype=dtype, quantize=quantize, fp32_head=fp32_head)
+    prior = SpeculativeEngine(loaded.model, loaded.tokenizer, fp32_head=fp32_head).calibrate()
     rates: dict[tuple[int, str], list[float]] = {}
     for name, before, ids in pb.build_prompts(loaded.tokenizer, 6, 250, 700):
         for cap in caps:
             for mode in ("lookup", "pred+lookup"):
-                engine = SpeculativeEngine(loaded.model, loaded.tokenizer)
-                engine.cost.reset(prior)  # as on a fresh server: nothing cached, the calibration kept
-                request = GenerationRequest(prompt_ids=ids, max_tokens=256, prompt_lookup=True,
-                                            prediction=before if mode == "pred+lookup" else None,
-                                            **({"max_draft": cap} if cap else {}))
-                started = time.perf_counter()
-                result = engine.generate(request)
-                rate = len(result.token_ids) / (time.perf_counter() - started)
+                _, result, rate = pb.timed_on_a_fresh_engine(loaded.model, loaded.tokenizer, prior, ids, mode,
+                                                             before, 256, fp32_head, max_draft=cap or None)
                 rates.setdefault((cap, mode), []).append(rate)
                 s = result.stats
                 print(f"{name:15s} cap {cap:3d} {mode:12s} {rate:6.1f} tok/s  prefill {s.prefill_seconds:.2f} s"
@@ -45,7 +39,6 @@ def main() -> None:
                       f"  accepted {s.accepted_tokens}", flush=True)
     for (cap, mode), values in rates.items():
         print(f"cap {cap:3d} {mode:12s} median {statistics.median(values):6.1f} tok/s")
-
 
 if __name__ == "__main__":
     main()

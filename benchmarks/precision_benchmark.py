@@ -106,14 +106,16 @@ def weight_bytes(model) -> int:
 
 
 def timed_on_a_fresh_engine(model, tokenizer, prior, ids: list[int], mode: str, before: str,
-                            output_tokens: int, fp32_head=None):
+                            output_tokens: int, fp32_head=None, max_draft: int | None = None):
     """One request of ``mode`` (FORETELL_MODES; ``before`` is the prediction of pred+lookup) on a
     fresh engine, as on a fresh server: no prompt prefix cached by the requests before it, the
-    calibrated pass cost ``prior`` carried over. Returns (the engine, the result, tok/s)."""
+    calibrated pass cost ``prior`` carried over; ``max_draft``: a cap on its drafts (None: the
+    request's default). Returns (the engine, the result, tok/s)."""
     engine = SpeculativeEngine(model, tokenizer, fp32_head=fp32_head)
     engine.cost.reset(prior)
     request = GenerationRequest(prompt_ids=ids, max_tokens=output_tokens, prompt_lookup=mode != "plain",
-                                prediction=before if mode == "pred+lookup" else None)
+                                prediction=before if mode == "pred+lookup" else None,
+                                **({} if max_draft is None else {"max_draft": max_draft}))
     started = time.perf_counter()
     result = engine.generate(request)
     return engine, result, len(result.token_ids) / (time.perf_counter() - started)
